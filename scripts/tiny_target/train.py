@@ -1,0 +1,213 @@
+"""Pretrain the tiny DeepSeek-V3 that eyas ships (examples/tiny-deepseek-v3), with its MTP layer.
+
+Resumable: every --ckpt-every steps the full state (weights, optimizer, step, router biases) is written atomically
+to WORK/ckpt.pt, and the shippable bf16 checkpoint is exported to OUT. Rerunning the same command continues.
+Batches are a pure function of (seed, step), so a resumed run sees exactly the batches it would have seen.
+
+    python scripts/tiny_target/build_data.py      # corpus, tokenizer, token arrays (seconds)
+    python scripts/tiny_target/train.py --max-steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eyas.checkpoint import save_model
+from eyas.config import DeepseekV3Config, RopeConfig
+from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(vocab_size: int, bos: int, eos: int) -> DeepseekV3Config:
+    """A DeepSeek-V3 in miniature: 8 layers (1 dense, 7 MoE with 8 routed experts in 4 groups, top-2, 1 shared),
+    MLA with kv_lora_rank + qk_rope_head_dim = 512 + 64 (the size vLLM's CPU MLA kernel runs), YaRN, one MTP layer."""
+    rope = RopeConfig(head_dim=64, theta=10000.0, type="yarn", factor=4.0, original_max_position_embeddings=512,
+                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, interleave=True)
+    return DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=192, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, rope=rope,
+        max_position_embeddings=2048, q_lora_rank=128, moe_intermediate_size=96, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=1, moe_layer_freq=1, num_nextn_predict_layers=1,
+        bos_token_id=bos, eos_token_ids=[eos], torch_dtype="bfloat16", source="tiny_config")
+
+
+def init_weights(model: DeepseekV3ForCausalLM, std: float = 0.02) -> None:
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):  # GPT-2 style depth scaling of residual writes
+                p.data /= math.sqrt(2 * model.config.num_hidden_layers)
+    mtp = model.model.mtp_layer(0)  # the MTP layer starts from the main embedding and head, as DeepSeek shares them
+    mtp.embed_tokens.weight = model.model.embed_tokens.weight
+    mtp.shared_head.head.weight = model.lm_head.weight
+
+
+def batch(arrays: dict, step: int, seed: int, batch_size: int, seq_len: int, chat_fraction: float):
+    """(tokens [B, T+1], loss mask [B, T+1]) drawn from the source files and the chat conversations."""
+    rng = np.random.default_rng([seed, step])
+    tokens = np.empty((batch_size, seq_len + 1), dtype=np.int64)
+    mask = np.ones((batch_size, seq_len + 1), dtype=np.float32)
+    for b in range(batch_size):
+        if rng.random() < chat_fraction:
+            data, chat_mask = arrays["chat"], arrays["chat_mask"]
+            start = int(rng.integers(0, len(data) - seq_len - 1))
+            tokens[b] = data[start:start + seq_len + 1]
+            # full loss on chat text too, with assistant turns weighted up: they are what chat users see
+            mask[b] = 1.0 + chat_mask[start:start + seq_len + 1]
+        else:
+            data = arrays["train"]
+            start = int(rng.integers(0, len(data) - seq_len - 1))
+            tokens[b] = data[start:start + seq_len + 1]
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def losses(model: DeepseekV3ForCausalLM, tokens: torch.Tensor, mask: torch.Tensor):
+    """Next-token loss of the main model and the MTP loss (token t+2 from hidden t and token t+1)."""
+    inputs = tokens[:, :-1]
+    hidden, _ = model.model(inputs)
+    logits = model.compute_logits(hidden)
+    w = mask[:, 1:]
+    main = (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none") * w.flatten()).sum() \
+        / w.sum()
+    mtp = model.model.mtp_layer(0)
+    cos, sin = model.model.rotary(torch.arange(inputs.shape[1] - 1))
+    mtp_hidden = mtp(inputs[:, 1:], hidden[:, :-1], cos, sin)
+    mtp_logits = mtp.compute_logits(mtp_hidden)
+    w2 = mask[:, 2:]
+    mtp_loss = (F.cross_entropy(mtp_logits.flatten(0, 1), tokens[:, 2:].flatten(), reduction="none")
+                * w2.flatten()).sum() / w2.sum()
+    return main, mtp_loss
+
+
+def update_router_biases(model: DeepseekV3ForCausalLM, counts: dict, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: nudge each expert's selection bias toward the mean load."""
+    for name, moe in model.named_modules():
+        if isinstance(moe, MoE) and name in counts:
+            load = counts[name]
+            moe.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+
+
+@torch.no_grad()
+def evaluate_bpb(model: DeepseekV3ForCausalLM, val: np.ndarray, num_bytes: int, seq_len: int,
+                 max_tokens: int | None = None) -> float:
+    """Bits per byte of the held-out files: summed next-token NLL over non-overlapping windows / bytes."""
+    model.eval()
+    data = torch.from_numpy(val[: max_tokens or len(val)].astype(np.int64))
+    nats, counted = 0.0, 0
+    for start in range(0, len(data) - 1, seq_len):
+        window = data[start:start + seq_len + 1]
+        logits = model(window[None, :-1])
+        nats += F.cross_entropy(logits[0], window[1:], reduction="sum").item()
+        counted += len(window) - 1
+    model.train()
+    return nats / math.log(2) / (num_bytes * counted / (len(val) - 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=ROOT / "work" / "tiny_target", help="data arrays and ckpt.pt")
+    ap.add_argument("--out", type=Path, default=ROOT / "examples" / "tiny-deepseek-v3", help="shipped checkpoint")
+    ap.add_argument("--max-steps", type=int, default=6000)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--mtp-weight", type=float, default=0.3, help="DeepSeek-V3 uses 0.3, then 0.1")
+    ap.add_argument("--chat-fraction", type=float, default=0.2)
+    ap.add_argument("--bias-rate", type=float, default=1e-3, help="router bias update speed (gamma)")
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    meta = json.loads((args.work / "meta.json").read_text())
+    arrays = {name: np.memmap(args.work / f"{name}.bin", dtype=np.uint16, mode="r")
+              for name in ("train", "val")}
+    arrays["chat"] = np.memmap(args.work / "chat_train.bin", dtype=np.uint16, mode="r")
+    arrays["chat_mask"] = np.memmap(args.work / "chat_train_mask.bin", dtype=np.uint8, mode="r")
+    val_bytes = meta["splits"]["heldout"]["bytes"]
+
+    torch.manual_seed(args.seed)
+    config = tiny_config(meta["vocab_size"], bos=0, eos=1)
+    model = DeepseekV3ForCausalLM(config)
+    init_weights(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    ckpt_path, log_path = args.work / "ckpt.pt", args.work / "train_log.jsonl"
+    step = 0
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        print(f"resumed from {ckpt_path} at step {step}")
+
+    def lr_at(s: int) -> float:
+        if s < args.warmup:
+            return args.lr * (s + 1) / args.warmup
+        progress = min(1.0, (s - args.warmup) / max(1, args.max_steps - args.warmup))
+        return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+    # count expert selections per MoE layer, for the balancing update
+    counts: dict[str, torch.Tensor] = {}
+
+    def count_hook(name):
+        def hook(module, inputs, output):
+            ids, _ = module.route(inputs[0].detach().reshape(-1, inputs[0].shape[-1]))
+            counts[name] = torch.bincount(ids.flatten(), minlength=module.config.n_routed_experts).float()
+        return hook
+
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            m.register_forward_hook(count_hook(name))
+
+    def save(step: int) -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+        os.replace(tmp, ckpt_path)
+        save_model(model, args.out, dtype=torch.bfloat16)
+
+    model.train()
+    t0, tokens_seen = time.time(), 0
+    while step < args.max_steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        tokens, mask = batch(arrays, step, args.seed, args.batch_size, args.seq_len, args.chat_fraction)
+        main_loss, mtp_loss = losses(model, tokens, mask)
+        loss = main_loss + args.mtp_weight * mtp_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        optimizer.step()
+        with torch.no_grad():
+            update_router_biases(model, counts, args.bias_rate)
+        step += 1
+        tokens_seen += tokens.shape[0] * (tokens.shape[1] - 1)
+        record = {"step": step, "loss": round(main_loss.item(), 4), "mtp_loss": round(mtp_loss.item(), 4),
+                  "lr": lr_at(step - 1), "grad_norm": round(grad_norm, 3),
+                  "tokens_per_s": round(tokens_seen / (time.time() - t0), 1)}
+        if step % args.eval_every == 0 or step == args.max_steps:
+            record["val_bpb_32k"] = round(evaluate_bpb(model, arrays["val"], val_bytes, args.seq_len, 32768), 4)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if step % 10 == 0 or "val_bpb_32k" in record:
+            print(json.dumps(record), flush=True)
+        if step % args.ckpt_every == 0 or step == args.max_steps:
+            save(step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""DeepSeek-V3 target (also Kimi-K2 and q_lora-null V2-style configs): MLA attention, grouped-top-k MoE, YaRN.
+
+Parameter names are HF's, so safetensors load with no conversion. Two attention paths:
+- no cache (`attn is None`): inputs [batch, seq, hidden], the expanded form (kv_b_proj makes per-head K and V),
+  causal; used by scoring, training and tests.
+- paged (`attn` given): inputs [num_tokens, hidden] from several sequences; the cache holds per token only the
+  normalised latent and the roped shared key [kv_lora_rank + qk_rope_head_dim]; attention runs in the absorbed
+  form (W_UK folded into the query, W_UV applied after), identically for prefill, verify and decode rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import DeepseekV3Config
+from eyas.models.attention import AttentionMetadata, paged_latent_attention
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: DeepseekV3Config, input_size: int | None = None) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        input_size = input_size or hidden  # EAGLE-3 MLA drafts attend over a 2H input
+        self.num_heads = heads
+        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        self.interleave = config.rope.interleave
+        qk_dim = self.nope_dim + self.rope_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(input_size, heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(input_size, self.kv_lora_rank + self.rope_dim, bias=config.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries split into (nope, roped) per head, and the latent (normalised kv, roped shared key)."""
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos.unsqueeze(-2), sin.unsqueeze(-2), self.interleave)
+        kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_a_layernorm(kv)
+        k_rope = apply_rope(k_rope, cos, sin, self.interleave)
+        return q_nope, q_rope, kv, k_rope
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
+                latent_cache: torch.Tensor | None = None) -> torch.Tensor:
+        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
+        if attn is None:
+            return self._expanded(q_nope, q_rope, kv, k_rope)
+        # write this step's latents, then attend over each sequence's whole context in the absorbed form
+        latent_cache[attn.slot_mapping] = torch.cat([kv, k_rope], dim=-1).to(latent_cache.dtype)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [heads, nope|v, kv_lora_rank]
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [num_tokens, heads, kv_lora_rank]
+        q = torch.cat([q_latent, q_rope], dim=-1).to(latent_cache.dtype)  # [num_tokens, heads, latent_dim]
+        out_latent = paged_latent_attention(q, latent_cache, attn, self.kv_lora_rank, self.scale)
+        out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w_uv)  # [num_tokens, heads, v_head_dim]
+        return self.o_proj(out.flatten(-2))
+
+    def _expanded(self, q_nope, q_rope, kv, k_rope) -> torch.Tensor:
+        batch, seq = kv.shape[:2]
+        k_nope, v = self.kv_b_proj(kv).unflatten(-1, (self.num_heads, -1)).split([self.nope_dim, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MoE(nn.Module):
+    """Sigmoid router; a correction bias picks experts (never weighs them); group-limited top-k; shared experts."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        num_experts = config.n_routed_experts
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(num_experts, config.hidden_size))
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(num_experts))
+        self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [num_tokens, hidden] -> (expert ids, weights), both [num_tokens, num_experts_per_tok]."""
+        c = self.config
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [num_tokens, num_experts]
+        choice = scores + self.gate.e_score_correction_bias.float()
+        if c.n_group > 1:
+            # rank groups by the sum of their two best experts; keep topk_group groups
+            group_scores = choice.view(x.shape[0], c.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1, sorted=False).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(c.n_routed_experts // c.n_group, dim=1),
+                                        float("-inf"))
+        expert_ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        expert_ids, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e in expert_ids.unique().tolist():
+            token_idx, slot = (expert_ids == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
+            out.index_add_(0, token_idx, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
+                latent_cache: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, latent_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek NextN: predicts token t+2 from the target's hidden state at t and the embedding of token t+1.
+
+    Stored as `model.layers.{num_hidden_layers + i}.*`: a full decoder layer plus enorm, hnorm, eh_proj,
+    shared_head.{norm, head} and its own copy of embed_tokens.
+    """
+
+    def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def forward(self, next_token_ids: torch.Tensor, previous_hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, attn: AttentionMetadata | None = None,
+                latent_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the layer's output before shared_head.norm; `compute_logits` finishes it."""
+        h = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_token_ids)), self.hnorm(previous_hidden)], -1))
+        return super().forward(h, cos, sin, attn, latent_cache)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        L = config.num_hidden_layers
+        # MTP layers sit after the decoder layers, as in DeepSeek's checkpoints (model.layers.61 in V3)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(L)]
+                                    + [MTPLayer(config, L + i) for i in range(config.num_nextn_predict_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.rope, config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata | None = None,
+                kv_caches: Sequence[torch.Tensor] | None = None,
+                aux_hidden_state_ids: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states and the hidden states at `aux_hidden_state_ids` (HF `hidden_states` indices,
+        see eyas.aux_layers), in the order asked.
+
+        input_ids: [batch, seq] without a cache, or [num_tokens] with `attn` and `kv_caches` (one per layer).
+        """
+        positions = attn.positions if attn is not None else torch.arange(input_ids.shape[-1],
+                                                                          device=input_ids.device)
+        cos, sin = self.rotary(positions)
+        h = self.embed_tokens(input_ids)
+        captured = {0: h} if 0 in aux_hidden_state_ids else {}
+        for i in range(self.config.num_hidden_layers):
+            h = self.layers[i](h, cos, sin, attn, kv_caches[i] if kv_caches is not None else None)
+            if i + 1 in aux_hidden_state_ids:
+                captured[i + 1] = h
+        return self.norm(h), [captured[i] for i in aux_hidden_state_ids]
+
+    def mtp_layer(self, index: int = 0) -> MTPLayer:
+        return self.layers[self.config.num_hidden_layers + index]
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for input_ids [batch, seq], no cache."""
+        hidden, _ = self.model(input_ids)
+        return self.compute_logits(hidden)

@@ -1,0 +1,63 @@
+"""Building blocks shared by the target and the draft heads: norms, rope, the dense SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """cos/sin tables indexed by absolute position; YaRN's attention factor is folded into them."""
+
+    def __init__(self, rope: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, attention_factor = rope.inv_freq_and_attention_factor()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)  # [max_pos, rope_dim // 2]
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        self.interleave = rope.interleave
+        self.max_positions = max_positions
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [..., rope_dim] with cos/sin broadcastable to [..., rope_dim // 2].
+
+    Interleaved checkpoints (DeepSeek) pair dims (0,1), (2,3), ...; the result is written de-interleaved, as
+    transformers does: q and k go through the same permutation, so their dot products are unchanged.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

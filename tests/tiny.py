@@ -1,0 +1,48 @@
+"""Tiny random DeepSeek-V3 checkpoints written by transformers itself, for parity and engine tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+BASE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+    max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def hf_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    kw = dict(BASE)
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def make_hf_checkpoint(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """Save a random transformers DeepseekV3ForCausalLM; return the model (float32) for reference outputs."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = hf_config(**overrides)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # random router bias and larger weights so routing and attention are not uniform
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or "bias" in name:
+                p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.1)
+    model.to(dtype).save_pretrained(path)
+    return model.float() if dtype != torch.float32 else model
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
