@@ -274,3 +274,38 @@ class DeepseekV3Config:
         }
         out.update(self.rope.to_hf())
         return out
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling, shaped like vLLM's. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature is {self.temperature}; expected a finite number >= 0")
+        if self.top_k < -1:
+            raise ValueError(f"top_k is {self.top_k}; expected -1 or 0 (off) or a positive integer")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p is {self.top_p}; expected 0 < top_p <= 1")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p is {self.min_p}; expected 0 <= min_p <= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens is {self.max_tokens}; expected a positive integer")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

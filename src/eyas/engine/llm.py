@@ -1,0 +1,163 @@
+"""`LLM`: requests in, text out. Owns the tokenizer, the scheduler and the step loop:
+schedule -> run -> sample -> postprocess (append, stop, free)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eyas.checkpoint import load_model
+from eyas.config import SamplingParams
+from eyas.engine.kv_cache import BlockAllocator
+from eyas.engine.model_runner import ModelRunner
+from eyas.engine.sampling import process_logits, sample
+from eyas.engine.scheduler import Scheduler
+from eyas.engine.sequence import Sequence
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    time_to_first_token: float
+    elapsed: float
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated / self.elapsed if self.elapsed > 0 else 0.0
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class LLM:
+    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                 max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, max_num_batched_tokens: int = 512) -> None:
+        self.model = load_model(model, dtype=dtype, device=device)
+        config = self.model.config
+        self.tokenizer = load_tokenizer(model)
+        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        if num_blocks is None:
+            num_blocks = -(-max_num_seqs * self.max_model_len // block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
+        self.eos_token_ids = set(config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a text prompt, a list of ids, or chat messages (rendered by the tokenizer's template)."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer; pass token ids")
+        if isinstance(prompt, list):
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams) -> Sequence:
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                                "(the prompt plus at least one generated token must fit)")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {self.model.config.vocab_size})")
+        seq = Sequence(ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
+        logits = self.runner.run(batch)
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed + n == len(s)]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed += n
+        finished = []
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            params = [s.params for s in seqs]
+            tokens = sample(process_logits(logits[rows], params), params, [s.generator for s in seqs]).tolist()
+            now = time.perf_counter()
+            for seq, token in zip(seqs, tokens):
+                seq.token_ids.append(token)
+                seq.first_token_time = seq.first_token_time or now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    seq.finish_time = now
+                    self.scheduler.finish(seq, reason)
+                    finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                seq.text = text[:min(hits)]
+                return "stop"
+        if seq.num_generated >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = seq.text if seq.finish_reason == "stop" and seq.params.stop and seq.text is not None else None
+        if text is None or not seq.params.stop:
+            text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(
+            prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], token_ids=seq.generated_ids, text=text,
+            finish_reason=seq.finish_reason or "", time_to_first_token=(seq.first_token_time or 0) - seq.arrival_time,
+            elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time)
+
+    def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or chat messages); outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm)
+        while self.scheduler.has_work():
+            bar.update(len(self.step()))
+        bar.close()
+        return [self.output(s) for s in seqs]
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,49 @@
+"""Turning logits into tokens: per-row temperature, top-k, top-p, min-p, and per-request seeds.
+
+Each seeded request draws its randomness from its own torch.Generator, so its output does not depend on which
+other requests share the batch. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws
+exactly from p and needs one noise vector per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.config import SamplingParams
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Log-probabilities after temperature, top-k, top-p and min-p, per row; rows are [num_rows, vocab].
+
+    Greedy rows are returned as plain log-softmax (their argmax is all that is used)."""
+    logits = logits.float()
+    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logits = logits / temperature.to(logits.device)[:, None]
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = logits[row].topk(p.top_k).values[-1]
+            logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = logits[row].sort(descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the mass before it already reaches top_p; the top token always stays
+            drop = probs.cumsum(-1) - probs >= p.top_p
+            logits[row, order[drop]] = float("-inf")
+        if p.min_p > 0:
+            probs = logits[row].softmax(-1)
+            logits[row] = logits[row].masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits.log_softmax(-1)
+
+
+def sample(logprobs: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of processed log-probabilities [num_rows, vocab] -> [num_rows]."""
+    out = logprobs.argmax(-1)
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        noise = torch.empty(logprobs.shape[-1]).exponential_(generator=generators[row])
+        out[row] = (logprobs[row] - noise.to(logprobs.device).log()).argmax()
+    return out

@@ -1,0 +1,51 @@
+"""A request's state as the engine sees it: tokens, how many are in the KV cache, its blocks."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+
+import torch
+
+from eyas.config import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.seq_id = next(_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.num_computed = 0  # tokens whose KV entries are in the cache
+        self.block_table: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.text = ""  # generated text, cut at a stop string if one appeared
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
