@@ -1,0 +1,104 @@
+"""The paged, absorbed attention path computes what the no-cache, expanded path computes."""
+
+import pytest
+import torch
+from tiny import YARN, make_hf_checkpoint
+
+from eyas import load_model
+from eyas.engine.kv_cache import BlockAllocator, LatentCache
+from eyas.models.attention import AttentionMetadata
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    make_hf_checkpoint(path, rope_parameters=YARN)
+    return load_model(path)
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0]
+
+
+def test_chunked_prefill_then_decode_in_one_ragged_batch(model):
+    """Three sequences of different lengths: prefilled in uneven chunks, then decoded token by token together;
+    every step's logits equal the no-cache forward of the same prefix."""
+    torch.manual_seed(0)
+    block_size = 4
+    lengths = [23, 7, 14]
+    seqs = [torch.randint(0, 96, (n,)).tolist() for n in lengths]
+    alloc = BlockAllocator(num_blocks=32, block_size=block_size)
+    cache = LatentCache(model.config.num_hidden_layers, 32, block_size, model.config.latent_dim, torch.float32)
+    tables = [[] for _ in seqs]
+    # interleave allocation so block tables are not contiguous
+    for t in range(max(lengths)):
+        for b, n in enumerate(lengths):
+            if t < n:
+                alloc.grow(tables[b], t + 1)
+    computed = [0, 0, 0]
+    worst = 0.0
+    schedule = [[5, 7, 3], [11, 0, 6], [7, 0, 5], [0, 0, 0]]  # prompt chunks per step (0: not in this step)
+    prompt_len = [n - 4 for n in lengths]  # the last 4 tokens of each sequence are decoded one at a time
+    for chunk in schedule:
+        rows = [b for b in range(3) if min(chunk[b], prompt_len[b] - computed[b]) > 0]
+        if not rows:
+            break
+        q_lens = [min(chunk[b], prompt_len[b] - computed[b]) for b in rows]
+        ids = [t for b, q in zip(rows, q_lens) for t in seqs[b][computed[b]:computed[b] + q]]
+        attn = AttentionMetadata.build(q_lens, [computed[b] + q for b, q in zip(rows, q_lens)],
+                                       [tables[b] for b in rows], block_size)
+        with torch.no_grad():
+            hidden, _ = model.model(torch.tensor(ids), attn, cache)
+            logits = model.compute_logits(hidden)
+        start = 0
+        for b, q in zip(rows, q_lens):
+            ref = full_logits(model, seqs[b][:computed[b] + q])[computed[b]:]
+            worst = max(worst, (logits[start:start + q] - ref).abs().max().item())
+            start += q
+            computed[b] += q
+    assert computed == prompt_len
+    for _ in range(4):  # decode: one token per sequence, all three in one batch
+        attn = AttentionMetadata.build([1, 1, 1], [c + 1 for c in computed], tables, block_size)
+        ids = [seqs[b][computed[b]] for b in range(3)]
+        with torch.no_grad():
+            hidden, _ = model.model(torch.tensor(ids), attn, cache)
+            logits = model.compute_logits(hidden)
+        for b in range(3):
+            computed[b] += 1
+            ref = full_logits(model, seqs[b][:computed[b]])[-1]
+            worst = max(worst, (logits[b] - ref).abs().max().item())
+    assert computed == lengths
+    assert worst < 1e-4, worst
+
+
+def test_absorbed_and_expanded_attention_agree(model):
+    """One layer's attention, same inputs: absorbed over the latent cache vs expanded per-head K/V."""
+    attn_layer = model.model.layers[1].self_attn
+    torch.manual_seed(3)
+    x = torch.randn(1, 12, model.config.hidden_size)
+    cos, sin = model.model.rotary(torch.arange(12))
+    with torch.no_grad():
+        expanded = attn_layer(x, cos, sin)[0]
+        cache = torch.zeros(16, model.config.latent_dim)
+        meta = AttentionMetadata.build([12], [12], [[0, 1, 2, 3]], 4)
+        absorbed = attn_layer(x[0], cos, sin, meta, cache)
+    assert (expanded - absorbed).abs().max().item() < 1e-5
+
+
+def test_cache_stores_only_latent_and_rope_key():
+    """DeepSeek-V3: 61 layers x (512 + 64) values per token; 1/71 of expanded K/V (128 heads x (192 + 128))."""
+    cache = LatentCache(num_layers=61, num_blocks=1, block_size=16, latent_dim=512 + 64, dtype=torch.bfloat16,
+                        device="meta")
+    assert cache.bytes_per_token == 61 * 576 * 2
+    expanded_values = 128 * ((128 + 64) + 128)
+    assert expanded_values == 40960 and round(expanded_values / 576) == 71
+
+
+def test_engine_cache_size_follows_config(model):
+    from eyas.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(model, num_blocks=2, block_size=4)
+    c = model.config
+    assert runner.cache.tensors.shape == (c.num_hidden_layers, 8, c.kv_lora_rank + c.qk_rope_head_dim)
+    assert runner.cache.bytes_per_token == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4

@@ -1,0 +1,92 @@
+"""Our DeepSeek-V3 against transformers' on random tiny checkpoints that transformers itself saved."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import YARN, make_hf_checkpoint
+
+from eyas import load_model
+
+CONFIGS = {
+    "qlora_yarn_groups": dict(rope_parameters=YARN),
+    "qlora_null_plain_rope": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    "one_group_all_moe": dict(n_group=1, topk_group=1, first_k_dense_replace=0, rope_parameters=YARN),
+    "dense_only": dict(first_k_dense_replace=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "no_norm_topk_not_interleaved": dict(norm_topk_prob=False, rope_interleave=False, rope_parameters=YARN),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_and_aux_hidden_states_match_transformers(tmp_path, name):
+    ref = make_hf_checkpoint(tmp_path, **CONFIGS[name])
+    ours = load_model(tmp_path)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    L = ref.config.num_hidden_layers
+    with torch.no_grad():
+        expected = ref(ids, output_hidden_states=True)
+        logits = ours(ids)
+        _, aux = ours.model(ids, aux_hidden_state_ids=tuple(range(L)))
+    assert (logits - expected.logits).abs().max().item() <= 1e-4
+    # hidden_states index i = input of layer i; transformers' last entry (index L) is after the final norm
+    for i in range(L):
+        assert torch.equal(aux[i], expected.hidden_states[i]) or (aux[i] - expected.hidden_states[i]).abs().max() < 1e-5
+
+
+def test_bf16_checkpoint_matches_transformers_in_fp32(tmp_path):
+    ref = make_hf_checkpoint(tmp_path, dtype=torch.bfloat16, rope_parameters=YARN)  # ref: bf16 weights, upcast
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    ours = load_model(tmp_path, dtype="float32")
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() <= 1e-4
+
+
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's layout: e4m3 values and one float32 scale_inv per block (value * scale_inv = weight)."""
+    rows, cols = weight.shape
+    scales = torch.empty(-(-rows // block), -(-cols // block))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scales[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scales[i, j]).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def test_fp8_block_quantized_checkpoint(tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    fp8_dir, reference_dir = tmp_path / "fp8", tmp_path / "dequantized"
+    make_hf_checkpoint(fp8_dir, rope_parameters=YARN)
+    tensors = load_file(fp8_dir / "model.safetensors")
+    block = 16
+    quantized, dequantized = {}, {}
+    for key, t in tensors.items():
+        if key.endswith("proj.weight") and t.dim() == 2:  # attention and MLP projections, as DeepSeek quantizes
+            q, s = quantize_fp8(t, block)
+            quantized[key], quantized[key + "_scale_inv"] = q, s
+            full = s.repeat_interleave(block, 0)[: t.shape[0]].repeat_interleave(block, 1)[:, : t.shape[1]]
+            dequantized[key] = q.float() * full
+        else:
+            quantized[key] = dequantized[key] = t
+    # several blocks in both directions, and partial edge blocks
+    assert any(s.shape[0] > 1 and s.shape[1] > 1 for k, s in quantized.items() if k.endswith("_scale_inv"))
+    assert quantized["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    config = json.loads((fp8_dir / "config.json").read_text())
+    reference_dir.mkdir()
+    (reference_dir / "config.json").write_text(json.dumps(config))
+    save_file(dequantized, reference_dir / "model.safetensors")
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block],
+                                     "activation_scheme": "dynamic"}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    save_file(quantized, fp8_dir / "model.safetensors")
+
+    ref = DeepseekV3ForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    ours = load_model(fp8_dir)
+    ids = torch.randint(0, 96, (2, 25))
+    with torch.no_grad():
+        assert (ours(ids) - ref(ids).logits).abs().max().item() <= 1e-4
