@@ -169,7 +169,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
     for key in expected:
         if key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias"):
             tensors[key] = tensors[key].float()
-    model.load_state_dict({k: tensors[k].to(device) for k in expected}, strict=False, assign=True)
+    # fresh allocations: tensors read from a file can sit at any byte offset, and CPU matmul kernels round
+    # differently on unaligned data, so the same checkpoint would give different last bits per load
+    model.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = Rotary(config.rope, config.max_position_embeddings).to(device)

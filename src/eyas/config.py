@@ -212,7 +212,7 @@ class DeepseekV3Config:
         max_pos = int(raw.get("max_position_embeddings", 4096))
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        dtype = raw.get("torch_dtype", raw.get("dtype", "bfloat16"))
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         n_routed = raw.get("n_routed_experts")
         return cls(
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],

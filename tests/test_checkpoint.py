@@ -1,0 +1,134 @@
+"""Checkpoint reading: sharded indexes, pickles refused, key and shape errors, the MTP layer."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import YARN, hf_config, make_hf_checkpoint
+
+from eyas import load_model
+from eyas.checkpoint import CheckpointError
+from eyas.models.attention import AttentionMetadata
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    return path, make_hf_checkpoint(path, rope_parameters=YARN)
+
+
+def test_sharded_index_loads_like_single_file(checkpoint, tmp_path):
+    path, ref = checkpoint
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        a, b = load_model(tmp_path)(ids), load_model(path)(ids)
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_index_naming_a_missing_shard(checkpoint, tmp_path):
+    path, ref = checkpoint
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    victim = sorted(tmp_path.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        load_model(tmp_path)
+
+
+def test_pickles_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf_config().to_dict(),
+                                                          architectures=["DeepseekV3ForCausalLM"])))
+    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_model(tmp_path)
+
+
+def test_unexpected_key_and_wrong_shape(checkpoint, tmp_path):
+    path, _ = checkpoint
+    shutil.copytree(path, tmp_path / "a")
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, tmp_path / "a" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected.*model.layers.0.self_attn.extra.weight"):
+        load_model(tmp_path / "a")
+    del tensors["model.layers.0.self_attn.extra.weight"]
+    tensors["model.layers.1.self_attn.kv_b_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, tmp_path / "a" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"kv_b_proj.weight.*\(3, 3\)"):
+        load_model(tmp_path / "a")
+
+
+def test_config_errors_name_the_field(checkpoint, tmp_path):
+    path, _ = checkpoint
+    shutil.copytree(path, tmp_path / "a")
+    config = json.loads((path / "config.json").read_text())
+    for field, value, expected in [("scoring_func", "softmax", "scoring_func"), ("n_group", 3, "n_group"),
+                                   ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1.0}, "longrope")]:
+        bad = dict(config, **{field: value})
+        (tmp_path / "a" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=expected):
+            load_model(tmp_path / "a")
+
+
+def add_mtp_weights(path, seed=0):
+    """Append a random MTP layer (model.layers.L.*) to a transformers-saved checkpoint, as DeepSeek stores it."""
+    from eyas.config import DeepseekV3Config
+    from eyas.models.deepseek_v3 import MTPLayer
+
+    config = DeepseekV3Config.from_json(path)
+    L = config.num_hidden_layers
+    torch.manual_seed(seed)
+    layer = MTPLayer(config, L)
+    tensors = load_file(path / "model.safetensors")
+    for key, t in layer.state_dict().items():
+        t = torch.randn_like(t) * 0.15 if t.dim() > 1 else 1 + 0.1 * torch.randn_like(t)
+        tensors[f"model.layers.{L}.{key}"] = t
+    save_file(tensors, path / "model.safetensors")
+    return tensors
+
+
+def test_mtp_layer_matches_a_transformers_decoder_layer(tmp_path):
+    """The MTP layer = eh_proj(cat(enorm(emb(next)), hnorm(h))) through a full decoder layer; the decoder part is
+    checked against transformers' DeepseekV3DecoderLayer loaded with the same weights."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
+
+    ref_model = make_hf_checkpoint(tmp_path, rope_parameters=YARN)
+    tensors = add_mtp_weights(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.num_nextn_predict_layers == 1
+    L = ours.config.num_hidden_layers
+    p = f"model.layers.{L}."
+    hf_layer = DeepseekV3DecoderLayer(ref_model.config, layer_idx=L).eval()
+    state = {k[len(p):]: v for k, v in tensors.items() if k.startswith(p) and ".experts." not in k
+             and not k[len(p):].startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))}
+    E = ref_model.config.n_routed_experts
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}mlp.experts.{e}.gate_proj.weight"],
+                                                                tensors[f"{p}mlp.experts.{e}.up_proj.weight"]])
+                                                     for e in range(E)])
+    state["mlp.experts.down_proj"] = torch.stack([tensors[f"{p}mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+    hf_layer.load_state_dict(state, strict=True)
+
+    T = 9
+    ids = torch.randint(0, 96, (1, T + 1))
+    with torch.no_grad():
+        hidden, _ = ours.model(ids[:, :-1])
+        mtp = ours.model.mtp_layer(0)
+        cos, sin = ours.model.rotary(torch.arange(T))
+        out = mtp(ids[:, 1:], hidden, cos, sin)
+        x = tensors[f"{p}eh_proj.weight"] @ torch.cat([
+            mtp.enorm(tensors[f"{p}embed_tokens.weight"][ids[0, 1:]]), mtp.hnorm(hidden[0])], -1).T
+        position_embeddings = DeepseekV3RotaryEmbedding(ref_model.config)(x.T[None], torch.arange(T)[None])
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        expected = hf_layer(x.T[None], attention_mask=mask, position_embeddings=position_embeddings)
+        assert (out - expected).abs().max().item() < 1e-5
+        # and the paged path of the same layer agrees with the no-cache one
+        cache = torch.zeros(16, ours.config.latent_dim)
+        attn = AttentionMetadata.build([T], [T], [[0, 1, 2, 3]], 4)
+        cos_p, sin_p = ours.model.rotary(attn.positions)
+        paged = mtp(ids[0, 1:], hidden[0], cos_p, sin_p, attn, cache)
+        assert (paged - out[0]).abs().max().item() < 1e-5
+        assert mtp.compute_logits(out).shape == (1, T, 96)
