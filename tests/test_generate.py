@@ -30,9 +30,10 @@ def text_checkpoint(tmp_path_factory):
 
 
 def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask: transformers would otherwise mask every token equal to pad_token_id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=model.config.vocab_size - 1)
     return out[0, len(prompt):].tolist()
 
 

@@ -190,5 +190,6 @@ def save_model(model, path: str | Path, dtype: torch.dtype = torch.bfloat16, ext
                for k, v in model.state_dict().items() if not (config["tie_word_embeddings"] and k == "lm_head.weight")}
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -78,9 +78,9 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     num_tokens, heads, dim = q.shape
     batch, max_q = attn.query_rows.shape
     kv = latent_cache[attn.kv_slots]  # [batch, max_seq_len, latent_dim]
-    q_padded = q[attn.query_rows].reshape(batch, max_q * heads, dim)
+    q_padded = (q if batch == 1 else q[attn.query_rows]).reshape(batch, max_q * heads, dim)
     scores = torch.bmm(q_padded, kv.transpose(1, 2)).float() * scale  # [batch, max_q * heads, max_seq_len]
     scores = scores.view(batch, max_q, heads, -1) + attn.attn_bias.transpose(1, 2)
     probs = scores.softmax(dim=-1).to(kv.dtype).view(batch, max_q * heads, -1)
     out = torch.bmm(probs, kv[..., :value_dim]).view(batch, max_q, heads, value_dim)
-    return out[attn.query_valid]  # [num_tokens, heads, value_dim], rows back in flat order
+    return out[0] if batch == 1 else out[attn.query_valid]  # [num_tokens, heads, value_dim], in flat order

@@ -48,11 +48,12 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos.unsqueeze(-2), sin.unsqueeze(-2), self.interleave)
         kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
-        k_rope = apply_rope(k_rope, cos, sin, self.interleave)
-        return q_nope, q_rope, kv, k_rope
+        # the shared rope key rides along as one more head, so q and k rotate in one call
+        rotated = apply_rope(torch.cat([q_rope, k_rope.unsqueeze(-2)], dim=-2), cos.unsqueeze(-2), sin.unsqueeze(-2),
+                             self.interleave)
+        return q_nope, rotated[..., :-1, :], kv, rotated[..., -1, :]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
                 latent_cache: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,11 +64,11 @@ class MLAttention(nn.Module):
         latent_cache[attn.slot_mapping] = torch.cat([kv, k_rope], dim=-1).to(latent_cache.dtype)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [heads, nope|v, kv_lora_rank]
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [num_tokens, heads, kv_lora_rank]
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_tokens, heads, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], dim=-1).to(latent_cache.dtype)  # [num_tokens, heads, latent_dim]
         out_latent = paged_latent_attention(q, latent_cache, attn, self.kv_lora_rank, self.scale)
-        out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w_uv)  # [num_tokens, heads, v_head_dim]
-        return self.o_proj(out.flatten(-2))
+        out = torch.matmul(out_latent.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v]
+        return self.o_proj(out.transpose(0, 1).flatten(-2))
 
     def _expanded(self, q_nope, q_rope, kv, k_rope) -> torch.Tensor:
         batch, seq = kv.shape[:2]
@@ -98,13 +99,12 @@ class MoE(nn.Module):
         c = self.config
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [num_tokens, num_experts]
         choice = scores + self.gate.e_score_correction_bias.float()
-        if c.n_group > 1:
-            # rank groups by the sum of their two best experts; keep topk_group groups
-            group_scores = choice.view(x.shape[0], c.n_group, -1).topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1, sorted=False).indices, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(c.n_routed_experts // c.n_group, dim=1),
-                                        float("-inf"))
+        if c.topk_group < c.n_group:
+            # rank groups by the sum of their two best experts; keep the topk_group best groups
+            grouped = choice.view(x.shape[0], c.n_group, -1)  # [num_tokens, n_group, experts_per_group]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            cutoff = group_scores.topk(c.topk_group, dim=-1).values[:, -1:]
+            choice = grouped.masked_fill((group_scores < cutoff)[..., None], float("-inf")).flatten(1)
         expert_ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if c.norm_topk_prob:
@@ -115,11 +115,22 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(x)
+        if x.shape[0] == 1:  # single-token decode: no grouping needed
+            weights = weights.to(x.dtype)
+            out = sum(self.experts[e](x) * weights[:, j, None] for j, e in enumerate(expert_ids[0].tolist()))
+            return (out + self.shared_experts(x) if self.shared_experts is not None else out).view(shape)
         out = torch.zeros_like(x)
-        for e in expert_ids.unique().tolist():
-            token_idx, slot = (expert_ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
-            out.index_add_(0, token_idx, y)
+        # group the (token, slot) pairs by expert with one sort; each expert then runs once on its tokens
+        order = expert_ids.flatten().argsort(stable=True)
+        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
+        token_idx = order // expert_ids.shape[1]
+        weights = weights.flatten()[order, None].to(x.dtype)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = token_idx[start:start + count]
+                out.index_add_(0, rows, self.experts[e](x[rows]) * weights[start:start + count])
+                start += count
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
