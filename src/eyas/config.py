@@ -309,3 +309,63 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+SPECULATIVE_METHODS = ("eagle", "mtp")
+REJECTION_STRATEGIES = ("greedy", "residual", "typical")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How the engine speculates (MAX's flags). `greedy` and `residual` keep the target's distribution exactly;
+    `typical`, relaxed acceptance in thinking blocks and `synthetic_acceptance_rate` do not."""
+
+    method: str = "eagle"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 3
+    # [{"batch_start": 1, "batch_end": 16, "num_tokens": 3}, ...]: K by running batch size (inclusive bounds)
+    num_speculative_tokens_per_batch_size: list[dict] = field(default_factory=list)
+    rejection_sampling_strategy: str = "residual"
+    synthetic_acceptance_rate: float | None = None
+    relaxed_thinking: bool = False
+    relaxed_thinking_topk: int = 10
+    relaxed_thinking_delta: float = 0.6
+    aux_layer_convention: str | None = None  # override for the draft's aux ids: hidden_states | layer_output
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
+        if self.method == "eagle" and not self.draft_model:
+            raise ValueError("speculative method 'eagle' needs a draft model directory (--draft-model)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens is {self.num_speculative_tokens}; expected 1..16")
+        if self.rejection_sampling_strategy not in REJECTION_STRATEGIES:
+            raise ValueError(f"rejection_sampling_strategy {self.rejection_sampling_strategy!r} is not one of "
+                             f"{list(REJECTION_STRATEGIES)}")
+        if self.synthetic_acceptance_rate is not None and not 0 <= self.synthetic_acceptance_rate <= 1:
+            raise ValueError(f"synthetic_acceptance_rate is {self.synthetic_acceptance_rate}; expected 0..1")
+        if self.relaxed_thinking_topk < 1 or self.relaxed_thinking_delta < 0:
+            raise ValueError("relaxed_thinking_topk must be >= 1 and relaxed_thinking_delta >= 0")
+        for i, rule in enumerate(self.num_speculative_tokens_per_batch_size):
+            if not isinstance(rule, dict) or set(rule) != {"batch_start", "batch_end", "num_tokens"}:
+                raise ValueError(f"num_speculative_tokens_per_batch_size[{i}] is {rule!r}; expected "
+                                 "{'batch_start': int, 'batch_end': int, 'num_tokens': int}")
+            if not 1 <= rule["batch_start"] <= rule["batch_end"] or not 0 <= rule["num_tokens"] <= 16:
+                raise ValueError(f"num_speculative_tokens_per_batch_size[{i}] = {rule}: need "
+                                 "1 <= batch_start <= batch_end and 0 <= num_tokens <= 16")
+
+    @property
+    def lossless(self) -> bool:
+        return (self.rejection_sampling_strategy in ("greedy", "residual") and not self.relaxed_thinking
+                and self.synthetic_acceptance_rate is None)
+
+    @property
+    def max_num_tokens(self) -> int:
+        rules = self.num_speculative_tokens_per_batch_size
+        return max([self.num_speculative_tokens] + [r["num_tokens"] for r in rules])
+
+    def num_tokens_for_batch(self, batch_size: int) -> int:
+        for rule in self.num_speculative_tokens_per_batch_size:
+            if rule["batch_start"] <= batch_size <= rule["batch_end"]:
+                return rule["num_tokens"]
+        return self.num_speculative_tokens

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from eyas.checkpoint import load_model
-from eyas.config import SamplingParams
+from eyas.config import SamplingParams, SpeculativeConfig
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
 from eyas.engine.sampling import process_logits, sample
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
+from eyas.engine.speculative import SpeculativeDecoder
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 
@@ -30,6 +31,10 @@ class RequestOutput:
     finish_reason: str
     time_to_first_token: float
     elapsed: float
+    num_drafted: int = 0
+    num_accepted: int = 0
+    acceptance_length: float = 1.0  # tokens per verify step: 1 + accepted / verify steps
+    accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft k
 
     @property
     def num_generated(self) -> int:
@@ -47,7 +52,16 @@ class PromptTooLong(ValueError):
 class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, max_num_batched_tokens: int = 512) -> None:
+                 num_blocks: int | None = None, max_num_batched_tokens: int = 512,
+                 speculative_method: str | None = None, draft_model: str | Path | None = None,
+                 num_speculative_tokens: int = 3, speculative_config: SpeculativeConfig | None = None) -> None:
+        """`speculative_method` "eagle" (with `draft_model`) or "mtp" turns on speculative decoding;
+        `speculative_config` gives every speculative setting at once."""
+        if speculative_config is None and speculative_method not in (None, "none"):
+            speculative_config = SpeculativeConfig(
+                method=speculative_method, draft_model=str(draft_model) if draft_model else None,
+                num_speculative_tokens=num_speculative_tokens)
+        self.speculative_config = speculative_config
         self.model = load_model(model, dtype=dtype, device=device)
         config = self.model.config
         self.tokenizer = load_tokenizer(model)
@@ -60,6 +74,11 @@ class LLM:
         self.eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.speculative = None
+        if speculative_config is not None:
+            self.draft = load_draft_for(speculative_config, self.model)
+            self.speculative = SpeculativeDecoder(self.runner, self.draft, speculative_config, self.allocator,
+                                                  self.max_model_len, think_token_ids(self.tokenizer))
 
     # -- requests ------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -89,21 +108,18 @@ class LLM:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it."""
+        """One engine step: schedule -> run (plain or speculative) -> commit; returns the sequences finished."""
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
-        logits = self.runner.run(batch)
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed + n == len(s)]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed += n
+        if self.speculative is not None:
+            new_tokens = self.speculative.step(batch, len(self.scheduler.running))
+        else:
+            new_tokens = self._plain_step(batch)
         finished = []
-        if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            params = [s.params for s in seqs]
-            tokens = sample(process_logits(logits[rows], params), params, [s.generator for s in seqs]).tolist()
-            now = time.perf_counter()
-            for seq, token in zip(seqs, tokens):
+        now = time.perf_counter()
+        for seq, tokens in zip(batch.seqs, new_tokens):
+            for token in tokens:  # one at a time: a stop inside an accepted run drops the tokens after it
                 seq.token_ids.append(token)
                 seq.first_token_time = seq.first_token_time or now
                 reason = self._stop_reason(seq, token)
@@ -111,7 +127,25 @@ class LLM:
                     seq.finish_time = now
                     self.scheduler.finish(seq, reason)
                     finished.append(seq)
+                    break
         return finished
+
+    def _plain_step(self, batch) -> list[list[int]]:
+        hidden, _, query_lens = self.runner.forward(batch)
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, query_lens)) if s.num_computed + n == len(s)]
+        for seq, n in zip(batch.seqs, query_lens):
+            seq.num_computed += n
+        new_tokens: list[list[int]] = [[] for _ in batch.seqs]
+        if rows:
+            last_rows = torch.tensor(query_lens).cumsum(0)[rows] - 1
+            seqs = [batch.seqs[i] for i in rows]
+            params = [s.params for s in seqs]
+            with torch.inference_mode():
+                logits = self.model.compute_logits(hidden[last_rows])
+                tokens = sample(process_logits(logits, params), params, [s.generator for s in seqs]).tolist()
+            for i, token in zip(rows, tokens):
+                new_tokens[i] = [token]
+        return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -131,10 +165,13 @@ class LLM:
         text = seq.text if seq.finish_reason == "stop" and seq.params.stop and seq.text is not None else None
         if text is None or not seq.params.stop:
             text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) if self.tokenizer else ""
+        steps = seq.num_verify_steps
         return RequestOutput(
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], token_ids=seq.generated_ids, text=text,
             finish_reason=seq.finish_reason or "", time_to_first_token=(seq.first_token_time or 0) - seq.arrival_time,
-            elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time)
+            elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time, num_drafted=seq.num_drafted,
+            num_accepted=seq.num_accepted, acceptance_length=seq.acceptance_length,
+            accepted_per_position=[a / steps for a in seq.accepted_per_position] if steps else [])
 
     def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -152,6 +189,26 @@ class LLM:
             bar.update(len(self.step()))
         bar.close()
         return [self.output(s) for s in seqs]
+
+
+def load_draft_for(config: SpeculativeConfig, target):
+    """The draft head for `config.method`: the target's own MTP layer, or an EAGLE-3 checkpoint."""
+    if config.method == "mtp":
+        from eyas.models.mtp import MTPDraft
+
+        return MTPDraft(target)
+    from eyas.models.eagle3 import load_draft
+
+    return load_draft(config.draft_model, target, aux_convention=config.aux_layer_convention)
+
+
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    if tokenizer is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    if "<think>" in vocab and "</think>" in vocab:
+        return vocab["<think>"], vocab["</think>"]
+    return None
 
 
 def load_tokenizer(path: str | Path):

@@ -1,4 +1,4 @@
-"""Runs the target over a scheduled ragged batch: builds the step's attention metadata, owns the paged cache."""
+"""Runs the target over a scheduled ragged batch: builds the step's attention metadata, owns the paged caches."""
 
 from __future__ import annotations
 
@@ -17,19 +17,25 @@ class ModelRunner:
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
 
+    def metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> AttentionMetadata:
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward this step's tokens; return logits [num_seqs, vocab] at each sequence's last computed token."""
+    def forward(self, batch: ScheduledBatch, aux_hidden_state_ids: tuple[int, ...] = ()):
+        """Target forward over this step's tokens (committed, then pending drafts, per sequence).
+
+        Returns (final hidden [num_tokens, H], aux hidden states, query_lens)."""
         input_ids, query_lens, seq_lens = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            input_ids.extend(seq.token_ids[seq.num_computed:seq.num_computed + n])
+            tokens = seq.token_ids + seq.draft_tokens
+            input_ids.extend(tokens[seq.num_computed:seq.num_computed + n])
             query_lens.append(n)
             seq_lens.append(seq.num_computed + n)
-        attn = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in batch.seqs], self.block_size,
-                                       self.device)
-        hidden, _ = self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache)
-        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last_rows])
+        attn = self.metadata(query_lens, seq_lens, [s.block_table for s in batch.seqs])
+        hidden, aux = self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache,
+                                       aux_hidden_state_ids)
+        return hidden, aux, query_lens

@@ -18,7 +18,7 @@ from eyas.engine.sequence import Sequence, Status
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes this step: token_ids[num_computed:+n]
+    num_new_tokens: list[int]  # tokens each sequence computes: (token_ids + draft_tokens)[num_computed:][:n]
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -49,14 +49,15 @@ class Scheduler:
         for seq in list(self.running):
             if seq.num_computed < seq.num_prompt_tokens or seq not in self.running:
                 continue  # still prefilling (handled below), or preempted by an earlier iteration
-            n = len(seq) - seq.num_computed
-            while not self.allocator.can_grow(seq.block_table, len(seq)):
+            # the last committed token(s) plus the drafts proposed for them
+            n = len(seq) - seq.num_computed + len(seq.draft_tokens)
+            while not self.allocator.can_grow(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.allocator.grow(seq.block_table, len(seq))
+                self.allocator.grow(seq.block_table, seq.num_computed + n)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
@@ -84,6 +85,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.num_computed = 0
+        seq.draft_tokens = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -26,7 +26,12 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.num_computed = 0  # tokens whose KV entries are in the cache
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # shared by the target's cache and the draft's
+        self.draft_tokens: list[int] = []  # proposed last step, verified next step
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.num_verify_steps = 0
+        self.accepted_per_position: list[int] = []  # [k]: verify steps whose draft k was accepted
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = ""  # generated text, cut at a stop string if one appeared
@@ -45,6 +50,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per verify step: 1 + accepted drafts / verify steps."""
+        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
 
     @property
     def is_finished(self) -> bool:

@@ -84,3 +84,28 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     probs = scores.softmax(dim=-1).to(kv.dtype).view(batch, max_q * heads, -1)
     out = torch.bmm(probs, kv[..., :value_dim]).view(batch, max_q, heads, value_dim)
     return out[0] if batch == 1 else out[attn.query_valid]  # [num_tokens, heads, value_dim], in flat order
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Grouped-query attention over a paged cache of per-head keys and values (Llama-style EAGLE-3 drafts).
+
+    q: [num_tokens, heads, head_dim]; kv_cache: [num_slots, 2, kv_heads, head_dim] (index 0 keys, 1 values).
+    Query head h reads kv head h // (heads // kv_heads), as transformers' repeat_kv does. Returns
+    [num_tokens, heads, head_dim].
+    """
+    num_tokens, heads, dim = q.shape
+    batch, max_q = attn.query_rows.shape
+    kv_heads = kv_cache.shape[2]
+    group = heads // kv_heads
+    kv = kv_cache[attn.kv_slots]  # [batch, max_seq_len, 2, kv_heads, head_dim]
+    k = kv[:, :, 0].transpose(1, 2).reshape(batch * kv_heads, -1, dim)  # [batch * kv_heads, max_seq_len, head_dim]
+    v = kv[:, :, 1].transpose(1, 2).reshape(batch * kv_heads, -1, dim)
+    q_padded = (q if batch == 1 else q[attn.query_rows]).reshape(batch, max_q, kv_heads, group, dim)
+    # each kv head serves its group of query heads for every query row: one [max_q * group, dim] block per kv head
+    q_padded = q_padded.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, max_q * group, dim)
+    scores = torch.bmm(q_padded, k.transpose(1, 2)).float() * scale  # [batch * kv_heads, max_q * group, max_seq]
+    scores = scores.view(batch, kv_heads, max_q, group, -1) + attn.attn_bias.view(batch, 1, max_q, 1, -1)
+    probs = scores.softmax(dim=-1).to(kv.dtype).view(batch * kv_heads, max_q * group, -1)
+    out = torch.bmm(probs, v).view(batch, kv_heads, max_q, group, dim)
+    out = out.permute(0, 2, 1, 3, 4).reshape(batch, max_q, heads, dim)
+    return out[0] if batch == 1 else out[attn.query_valid]  # [num_tokens, heads, head_dim], in flat order

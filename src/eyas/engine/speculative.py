@@ -1,0 +1,168 @@
+"""One speculative iteration over a scheduled batch, as its phases in order (chain drafting, K drafts):
+
+  1. merge     each sequence's input = its uncomputed committed token(s) + the K drafts proposed last step
+               (prefill rows: a prompt chunk, no drafts)
+  2. verify    one target forward over the ragged batch -> hidden states and the draft's aux hidden states
+  3. mask      per-row sampling processing of the target logits at the K+1 verify positions
+  4. accept    the acceptance rule -> num_accepted in 0..K and one extra token (correction or bonus)
+  5. rollback  the target KV of rejected drafts is dropped: num_computed stops after the last accepted draft
+  6. propose   draft step 0 over every position whose next token is now known, with the target's fused aux
+               hidden states; steps 1..K-1 one token at a time on the draft's own pre-norm output
+  7. pack      committed tokens out, next drafts stored on the sequence, metrics
+
+Worked example, one decode row, K = 3: committed [.. t9] with t9 at position 9 not yet computed, drafts
+[d10, d11, d12]. Verify computes positions 9..12; logits row j predicts position 10 + j. Say d10 is accepted and
+d11 rejected: num_accepted = 1, extra = the target's token x11. Commit [d10, x11]; target KV is kept for positions
+9..10 (t9, d10), so num_computed = 11 and x11 (position 11) is computed next step. Draft step 0 runs on pairs
+(h9, d10) and (h10, x11) at positions 9 and 10; its last output proposes d12' for position 12; steps 1 and 2 run
+at positions 11 and 12 and propose d13', d14'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.config import SpeculativeConfig
+from eyas.engine.acceptance import AcceptanceRule, VerifyRows
+from eyas.engine.kv_cache import BlockAllocator
+from eyas.engine.model_runner import ModelRunner
+from eyas.engine.sampling import process_logits
+from eyas.engine.scheduler import ScheduledBatch
+from eyas.engine.sequence import Sequence
+
+
+class SpeculativeDecoder:
+    def __init__(self, runner: ModelRunner, draft: nn.Module, config: SpeculativeConfig, allocator: BlockAllocator,
+                 max_model_len: int, think_token_ids: tuple[int, int] | None = None) -> None:
+        self.runner = runner
+        self.target = runner.model
+        self.draft = draft
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.think_token_ids = think_token_ids
+        self.accept = AcceptanceRule(config)
+        num_slots = runner.num_blocks * runner.block_size
+        # the draft's one-layer cache, addressed through the same block tables as the target's
+        self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=runner.dtype,
+                                       device=runner.device)
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch, num_running: int) -> list[list[int]]:
+        """Run one iteration; return the tokens each sequence commits (empty while its prompt is prefilling)."""
+        seqs = batch.seqs
+        # 1-2. merge and verify
+        hidden, aux, query_lens = self.runner.forward(batch, self.draft.aux_hidden_state_ids)
+        starts = [0]
+        for n in query_lens[:-1]:
+            starts.append(starts[-1] + n)
+        num_drafts = [len(s.draft_tokens) for s in seqs]
+        caught_up = [s.num_computed + n - nd == len(s) for s, n, nd in zip(seqs, query_lens, num_drafts)]
+
+        # 3. mask: target log-probs at the last num_drafts + 1 rows of every sequence that samples
+        sampling = [i for i, ok in enumerate(caught_up) if ok]
+        new_tokens: list[list[int]] = [[] for _ in seqs]
+        num_accepted = [0] * len(seqs)
+        if sampling:
+            k_max = max(num_drafts[i] for i in sampling)
+            rows = [starts[i] + query_lens[i] - num_drafts[i] - 1 + j for i in sampling
+                    for j in range(num_drafts[i] + 1)]
+            row_params = [seqs[i].params for i in sampling for _ in range(num_drafts[i] + 1)]
+            flat = process_logits(self.target.compute_logits(hidden[rows]), row_params)
+            logprobs = flat.new_full((len(sampling), k_max + 1, flat.shape[-1]), float("-inf"))
+            draft_tokens = torch.zeros(len(sampling), max(k_max, 1), dtype=torch.long)
+            offset = 0
+            for r, i in enumerate(sampling):
+                logprobs[r, :num_drafts[i] + 1] = flat[offset:offset + num_drafts[i] + 1]
+                draft_tokens[r, :num_drafts[i]] = torch.tensor(seqs[i].draft_tokens, dtype=torch.long)
+                offset += num_drafts[i] + 1
+            # 4. accept
+            accepted, extra = self.accept(VerifyRows(
+                logprobs=logprobs, draft_tokens=draft_tokens, num_drafts=[num_drafts[i] for i in sampling],
+                params=[seqs[i].params for i in sampling], generators=[seqs[i].generator for i in sampling],
+                in_thinking=[self._in_thinking(seqs[i]) for i in sampling]))
+            for r, i in enumerate(sampling):
+                num_accepted[i] = accepted[r]
+                new_tokens[i] = seqs[i].draft_tokens[:accepted[r]] + [extra[r]]
+                self._record(seqs[i], num_drafts[i], accepted[r])
+
+        # 5. rollback: keep the target KV of committed tokens and accepted drafts only
+        step0_rows, step0_next, step0_lens = [], [], []
+        for i, (seq, n) in enumerate(zip(seqs, query_lens)):
+            first = seq.num_computed
+            kept = n - num_drafts[i] + num_accepted[i]
+            seq.num_computed = first + kept
+            seq.draft_tokens = []
+            tokens = seq.token_ids + new_tokens[i]
+            self.allocator.shrink(seq.block_table, max(len(tokens), seq.num_computed))
+            # rows for draft step 0: every kept position p, paired with token p + 1
+            step0_rows.extend(range(starts[i], starts[i] + kept))
+            step0_next.extend(tokens[first + 1:first + kept + 1])
+            step0_lens.append(kept)
+
+        # 6. propose
+        self._propose(seqs, hidden, aux, step0_rows, step0_next, step0_lens, new_tokens, caught_up, num_running)
+        return new_tokens
+
+    def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
+                 num_running: int) -> None:
+        k_target = self.config.num_tokens_for_batch(num_running)
+        device = self.runner.device
+        draft_in = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
+        attn = self.runner.metadata(lens, [s.num_computed for s in seqs], [s.block_table for s in seqs])
+        prenorm = self.draft(draft_in, torch.tensor(next_tokens, device=device), attn, self.draft_cache)
+        last_rows = torch.tensor(lens).cumsum(0) - 1
+        # how many drafts each sequence gets: K, capped by its remaining budget, the context and free blocks
+        budgets = []
+        for seq, new, ok in zip(seqs, new_tokens, caught_up):
+            length = len(seq) + len(new)
+            k = min(k_target, seq.params.max_tokens - (seq.num_generated + len(new)) - 1,
+                    self.max_model_len - length) if ok else 0
+            while k > 0 and not self.allocator.can_grow(seq.block_table, length + k):
+                k -= 1
+            if k > 0:
+                self.allocator.grow(seq.block_table, length + k)
+            budgets.append(max(k, 0))
+        active = [i for i, k in enumerate(budgets) if k > 0]
+        if not active:
+            return
+        hidden_k = prenorm[last_rows[active]]
+        tokens_k = self.draft.compute_logits(hidden_k).argmax(-1)
+        positions = [seqs[i].num_computed - 1 for i in active]  # position of each active sequence's last step-0 row
+        for i, t in zip(active, tokens_k.tolist()):
+            seqs[i].draft_tokens.append(t)
+        for k in range(1, max(budgets)):
+            keep = [j for j, i in enumerate(active) if budgets[i] > k]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            positions = [positions[j] + 1 for j in keep]
+            attn = self.runner.metadata([1] * len(active), [p + 1 for p in positions],
+                                        [seqs[i].block_table for i in active])
+            hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
+            tokens_k = self.draft.compute_logits(hidden_k).argmax(-1)
+            for i, t in zip(active, tokens_k.tolist()):
+                seqs[i].draft_tokens.append(t)
+
+    def _record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        seq.num_verify_steps += 1
+        seq.num_drafted += num_drafts
+        seq.num_accepted += num_accepted
+        while len(seq.accepted_per_position) < num_drafts:
+            seq.accepted_per_position.append(0)
+        for j in range(num_accepted):
+            seq.accepted_per_position[j] += 1
+
+    def _in_thinking(self, seq: Sequence) -> bool:
+        if not self.config.relaxed_thinking or self.think_token_ids is None:
+            return False
+        start, end = self.think_token_ids
+        for t in reversed(seq.token_ids):
+            if t == end:
+                return False
+            if t == start:
+                return True
+        return False
