@@ -58,20 +58,76 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or [],
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              speculative_config=speculative_config(args))
     outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
     for prompt, out in zip(prompts, outputs):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "num_generated": out.num_generated, "finish_reason": out.finish_reason,
-                              "time_to_first_token": round(out.time_to_first_token, 6),
-                              "tokens_per_second": round(out.tokens_per_second, 2)}))
+            record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                      "num_generated": out.num_generated, "finish_reason": out.finish_reason,
+                      "time_to_first_token": round(out.time_to_first_token, 6),
+                      "tokens_per_second": round(out.tokens_per_second, 2)}
+            if llm.speculative is not None:
+                record.update(acceptance_length=round(out.acceptance_length, 4), num_drafted=out.num_drafted,
+                              num_accepted=out.num_accepted,
+                              accepted_per_position=[round(a, 4) for a in out.accepted_per_position])
+            print(json.dumps(record))
         else:
             shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
             print(f"{shown}\033[1m{out.text}\033[0m" if sys.stdout.isatty() else shown + out.text)
-            print(f"-- {out.num_generated} tokens, {out.tokens_per_second:.1f} tok/s, {out.finish_reason}",
+            spec = f", acceptance length {out.acceptance_length:.2f}" if llm.speculative is not None else ""
+            print(f"-- {out.num_generated} tokens, {out.tokens_per_second:.1f} tok/s, {out.finish_reason}{spec}",
                   file=sys.stderr)
     return 0
+
+
+def speculative_config(args: argparse.Namespace):
+    from eyas.config import SpeculativeConfig
+
+    if args.speculative_method == "none":
+        return None
+    per_batch = []
+    if args.num_speculative_tokens_per_batch_size:
+        try:
+            per_batch = json.loads(args.num_speculative_tokens_per_batch_size)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--num-speculative-tokens-per-batch-size is not valid JSON ({e})") from e
+        if not isinstance(per_batch, list):
+            raise ValueError("--num-speculative-tokens-per-batch-size must be a JSON list of "
+                             '{"batch_start": ..., "batch_end": ..., "num_tokens": ...} objects')
+    return SpeculativeConfig(
+        method=args.speculative_method, draft_model=str(args.draft_model) if args.draft_model else None,
+        num_speculative_tokens=args.num_speculative_tokens, num_speculative_tokens_per_batch_size=per_batch,
+        rejection_sampling_strategy=args.rejection_sampling_strategy,
+        synthetic_acceptance_rate=args.synthetic_acceptance_rate, relaxed_thinking=args.relaxed_thinking,
+        relaxed_thinking_topk=args.relaxed_thinking_topk, relaxed_thinking_delta=args.relaxed_thinking_delta,
+        aux_layer_convention=args.aux_layer_convention)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"], default="none",
+                   help="eagle: an EAGLE-3 draft head (--draft-model); mtp: the target's own NextN layer; "
+                   "none: plain decoding")
+    s.add_argument("--draft-model", type=Path, help="EAGLE-3 draft directory (vLLM, SGLang, Model Optimizer, MAX "
+                   "or eyas layout; MLA or Llama-style MHA)")
+    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (K)")
+    s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
+                   help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
+                   '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
+    s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
+                   help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
+                   "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
+                   "when sampling); typical: Medusa's typical acceptance (LOSSY: output is not the target's)")
+    s.add_argument("--synthetic-acceptance-rate", type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
+                   "position with this probability regardless of the draft, to measure engine overhead")
+    s.add_argument("--relaxed-thinking", action="store_true", help="LOSSY: inside <think>...</think>, accept a "
+                   "draft among the target's top-k whose log-prob is within delta of the best")
+    s.add_argument("--relaxed-thinking-topk", type=int, default=10)
+    s.add_argument("--relaxed-thinking-delta", type=float, default=0.6)
+    s.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
+                   help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
+                   "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small models)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, "
                    "num_generated, finish_reason, time_to_first_token, tokens_per_second")
+    add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
     return parser
 
