@@ -174,6 +174,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
     model.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    # DeepSeek's MTP layers share the main embedding and head; checkpoints store copies. Sharing the tensors
+    # again halves their memory and keeps one head matrix hot in cache when the MTP layer drafts.
+    for i in range(config.num_nextn_predict_layers):
+        mtp = model.model.mtp_layer(i)
+        if torch.equal(mtp.embed_tokens.weight, model.model.embed_tokens.weight):
+            mtp.embed_tokens.weight = model.model.embed_tokens.weight
+        if torch.equal(mtp.shared_head.head.weight, model.lm_head.weight):
+            mtp.shared_head.head.weight = model.lm_head.weight
     model.model.rotary = Rotary(config.rope, config.max_position_embeddings).to(device)
     return model.eval()
 
@@ -185,8 +193,9 @@ def save_model(model, path: str | Path, dtype: torch.dtype = torch.bfloat16, ext
     config = model.config.to_hf()
     config["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     config.update(extra_config or {})
+    # copies: tensors shared in memory (MTP embedding and head) are stored once per key, as DeepSeek does
     tensors = {k: v.detach().to(torch.float32 if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
-                                else dtype).contiguous()
+                                else dtype, copy=True).contiguous()
                for k, v in model.state_dict().items() if not (config["tie_word_embeddings"] and k == "lm_head.weight")}
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -1,0 +1,77 @@
+"""Speculative vs plain decode throughput on the shipped tiny target, measured in one run.
+
+    python benchmarks/speculative.py --synthetic-acceptance-rate 0.8      # engine overhead, K = 3
+    python benchmarks/speculative.py --speculative-method eagle --draft-model DIR
+
+With --synthetic-acceptance-rate each draft position is accepted with that probability whatever the draft says
+(the output is then not the target's), so the figure measures the engine's overhead apart from draft quality:
+the bound on the speedup is the mean acceptance length, 1 + r + r^2 + ... + r^K (2.95 for r = 0.8, K = 3).
+Without it the real acceptance rule runs and the tokens must equal plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from eyas import LLM, SamplingParams
+from eyas.config import SpeculativeConfig
+from eyas.engine.llm import DEFAULT_MODEL
+
+
+def timed(llm: LLM, prompts: list, params: SamplingParams):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--speculative-method", default="mtp", choices=["mtp", "eagle"])
+    ap.add_argument("--draft-model", type=Path)
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--synthetic-acceptance-rate", type=float)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best is kept")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    config = SpeculativeConfig(method=args.speculative_method,
+                               draft_model=str(args.draft_model) if args.draft_model else None,
+                               num_speculative_tokens=args.num_speculative_tokens,
+                               synthetic_acceptance_rate=args.synthetic_acceptance_rate)
+    max_seqs = max(args.batch_sizes)
+    plain = LLM(args.model, max_num_seqs=max_seqs)
+    spec = LLM(args.model, max_num_seqs=max_seqs, speculative_config=config)
+    prompts = ["def parse_args(argv):\n", "import os\n\n\nclass Config:\n", "    for line in lines:\n",
+               "def main():\n    ", "# utility functions\n", "class Error(Exception):\n", "    if not path:\n",
+               "import sys\n"]
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    rate = args.synthetic_acceptance_rate
+    print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "
+          f"{'synthetic acceptance ' + str(rate) if rate is not None else 'real acceptance'}, "
+          f"threads {args.threads}, {args.new_tokens} new tokens, greedy")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accept len':>11}  same tokens")
+    for batch in args.batch_sizes:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        timed(plain, batch_prompts, SamplingParams(temperature=0, max_tokens=8))  # warm-up
+        timed(spec, batch_prompts, SamplingParams(temperature=0, max_tokens=8))
+        plain_s, plain_out = min((timed(plain, batch_prompts, params) for _ in range(args.repeats)),
+                                 key=lambda r: r[0])
+        spec_s, spec_out = min((timed(spec, batch_prompts, params) for _ in range(args.repeats)),
+                               key=lambda r: r[0])
+        total = batch * args.new_tokens
+        al = sum(o.acceptance_length for o in spec_out) / len(spec_out)
+        same = all(a.token_ids == b.token_ids for a, b in zip(plain_out, spec_out))
+        print(f"{batch:>5} {total / plain_s:>12.1f} {total / spec_s:>11.1f} {plain_s / spec_s:>7.2f}x "
+              f"{al:>11.2f}  {same if rate is None else 'n/a (synthetic)'}")
+
+
+if __name__ == "__main__":
+    main()
