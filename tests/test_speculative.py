@@ -114,3 +114,92 @@ def test_per_batch_size_draft_count(copying_mtp):
     batched = LLM(copying_mtp, speculative_config=config).generate([[5, 6], [7, 8], [9]], params)[0]
     assert len(alone.accepted_per_position) == 4 and len(batched.accepted_per_position) == 1
     assert alone.token_ids == batched.token_ids
+
+
+# -- EAGLE-3 drafts ---------------------------------------------------------------------------------------------
+
+def rig_bigram_target_and_first_step_eagle(target_dir, draft_dir):
+    """A bigram target (every layer writes zero) whose embeddings all have rms 1 and coordinate 0 equal to 1, and
+    an MHA EAGLE-3 draft whose attention looks only at its own position and copies the next token's embedding:
+    its step-0 proposal is exactly the target's next token; later steps mix in their carried hidden state and
+    are mostly wrong. So acceptance is high at draft position 1 and low after it."""
+    from test_eagle3 import mha_config, write_draft
+
+    tensors = load_file(target_dir / "model.safetensors")
+    for key in tensors:
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[key] = torch.zeros_like(tensors[key])
+    emb = tensors["model.embed_tokens.weight"]
+    V, H = emb.shape
+    rest = emb[:, 1:] / emb[:, 1:].pow(2).sum(-1, keepdim=True).sqrt() * (H - 1) ** 0.5
+    tensors["model.embed_tokens.weight"] = torch.cat([torch.ones(V, 1), rest], dim=1)
+    save_file(tensors, target_dir / "model.safetensors")
+
+    heads, head_dim, alpha = 2, H // 2, 100.0
+    # q and k: alpha * u at every position (rope makes the score largest at distance 0)
+    qk = torch.zeros(heads * head_dim, 2 * H)
+    qk[:, 0] = alpha / head_dim ** 0.5
+    value = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)  # the normed next-token embedding
+    w = {"fc.weight": torch.zeros(H, 3 * H), "layers.0.input_layernorm.weight": torch.ones(H),
+         "layers.0.hidden_norm.weight": torch.ones(H), "layers.0.self_attn.q_proj.weight": qk,
+         "layers.0.self_attn.k_proj.weight": qk.clone(), "layers.0.self_attn.v_proj.weight": value,
+         "layers.0.self_attn.o_proj.weight": torch.eye(H), "layers.0.post_attention_layernorm.weight": torch.ones(H),
+         "layers.0.mlp.gate_proj.weight": torch.zeros(64, H), "layers.0.mlp.up_proj.weight": torch.zeros(64, H),
+         "layers.0.mlp.down_proj.weight": torch.zeros(H, 64), "norm.weight": torch.ones(H)}
+    config = mha_config(num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+                        draft_vocab_size=V)
+    return write_draft(draft_dir, config, w)
+
+
+@pytest.fixture(scope="module")
+def eagle_drafts(tmp_path_factory):
+    from test_eagle3 import mha_config, mha_weights, mla_config, mla_weights, write_draft
+
+    target = tmp_path_factory.mktemp("eagle_target")
+    make_hf_checkpoint(target)
+    base = tmp_path_factory.mktemp("drafts")
+    rigged_target = tmp_path_factory.mktemp("rigged_target")
+    make_hf_checkpoint(rigged_target)
+    return {
+        "mha": (target, write_draft(base / "mha", mha_config(), mha_weights())),
+        "mla": (target, write_draft(base / "mla", mla_config(), mla_weights())),
+        "first_step_mha": (rigged_target, rig_bigram_target_and_first_step_eagle(rigged_target, base / "rigged")),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", ["mha", "mla", "first_step_mha"])
+def test_greedy_eagle3_equals_plain_greedy(eagle_drafts, kind, k):
+    target, draft = eagle_drafts[kind]
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    plain = run(target, params)
+    spec = run(target, params, speculative_method="eagle", draft_model=draft, num_speculative_tokens=k)
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids
+    first_position = sum(o.accepted_per_position[0] for o in spec) / len(spec)
+    if kind == "first_step_mha":
+        assert first_position > 0.9  # the rig works: the first draft is nearly always right
+    else:
+        assert first_position < 0.5
+
+
+def test_eos_inside_an_accepted_eagle_run(eagle_drafts):
+    target, draft = eagle_drafts["first_step_mha"]
+    free = run(target, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    stop_ids = [out.token_ids[6] for out in free]
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stop_ids)
+    plain = run(target, params)
+    spec = run(target, params, speculative_method="eagle", draft_model=draft, num_speculative_tokens=3)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "stop" for o in spec)
+
+
+def test_totals_add_up_the_requests(copying_mtp):
+    llm = LLM(copying_mtp, speculative_method="mtp", num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))
+    totals = llm.speculative.metrics
+    assert totals.num_drafted == sum(o.num_drafted for o in outs)
+    assert totals.num_accepted == sum(o.num_accepted for o in outs)
+    # each verify step commits its accepted drafts plus one token; the first token comes from the prefill
+    assert sum(o.num_generated for o in outs) == len(outs) + totals.num_verify_steps + totals.num_accepted
+    assert totals.as_dict()["acceptance_length"] > 3

@@ -337,6 +337,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
         if self.method == "eagle" and not self.draft_model:
             raise ValueError("speculative method 'eagle' needs a draft model directory (--draft-model)")
+        if self.method == "mtp" and self.draft_model:
+            raise ValueError("speculative method 'mtp' drafts with the target's own NextN layer and takes no "
+                             "--draft-model; supported (method, draft) pairs: (eagle, an EAGLE-3 MLA or MHA draft "
+                             "directory), (mtp, none)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens is {self.num_speculative_tokens}; expected 1..16")
         if self.rejection_sampling_strategy not in REJECTION_STRATEGIES:

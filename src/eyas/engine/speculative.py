@@ -20,6 +20,8 @@ at positions 11 and 12 and propose d13', d14'.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -30,6 +32,26 @@ from eyas.engine.model_runner import ModelRunner
 from eyas.engine.sampling import process_logits
 from eyas.engine.scheduler import ScheduledBatch
 from eyas.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SpeculativeMetrics:
+    """Totals over every verify step (the counters vLLM exposes)."""
+
+    num_verify_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+    def as_dict(self) -> dict:
+        steps = self.num_verify_steps
+        return {"num_verify_steps": steps, "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
+                "acceptance_length": round(self.acceptance_length, 4),
+                "accepted_per_position": [round(a / steps, 4) for a in self.accepted_per_position] if steps else []}
 
 
 class SpeculativeDecoder:
@@ -43,6 +65,7 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.think_token_ids = think_token_ids
         self.accept = AcceptanceRule(config)
+        self.metrics = SpeculativeMetrics()
         num_slots = runner.num_blocks * runner.block_size
         # the draft's one-layer cache, addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=runner.dtype,
@@ -148,13 +171,14 @@ class SpeculativeDecoder:
     def _record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
             return
-        seq.num_verify_steps += 1
-        seq.num_drafted += num_drafts
-        seq.num_accepted += num_accepted
-        while len(seq.accepted_per_position) < num_drafts:
-            seq.accepted_per_position.append(0)
-        for j in range(num_accepted):
-            seq.accepted_per_position[j] += 1
+        for counts in (seq, self.metrics):
+            counts.num_verify_steps += 1
+            counts.num_drafted += num_drafts
+            counts.num_accepted += num_accepted
+            while len(counts.accepted_per_position) < num_drafts:
+                counts.accepted_per_position.append(0)
+            for j in range(num_accepted):
+                counts.accepted_per_position[j] += 1
 
     def _in_thinking(self, seq: Sequence) -> bool:
         if not self.config.relaxed_thinking or self.think_token_ids is None:
