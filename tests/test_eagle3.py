@@ -417,3 +417,10 @@ def test_speculative_greedy_with_an_eagle3_draft_equals_plain_greedy(target_path
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert llm.draft.aux_hidden_state_ids == (1, 2, 3)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_target_vocab_logits(target, tmp_path):
+    draft = load_draft(write_draft(tmp_path / "d", mha_config(), mha_weights()), target)
+    prenorm = torch.randn(5, H)
+    with torch.no_grad():
+        assert torch.equal(draft.greedy_tokens(prenorm), draft.compute_logits(prenorm).argmax(-1))

@@ -203,3 +203,11 @@ def test_totals_add_up_the_requests(copying_mtp):
     # each verify step commits its accepted drafts plus one token; the first token comes from the prefill
     assert sum(o.num_generated for o in outs) == len(outs) + totals.num_verify_steps + totals.num_accepted
     assert totals.as_dict()["acceptance_length"] > 3
+
+
+def test_seeded_speculative_sampling_does_not_depend_on_the_batch(random_mtp):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = LLM(random_mtp, speculative_method="mtp").generate([[5, 6, 7]], seeded)[0]
+    batched = LLM(random_mtp, speculative_method="mtp").generate([[9, 9], [5, 6, 7], [4]], [other, seeded, other])[1]
+    assert alone.token_ids == batched.token_ids

@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         if not active:
             return
         hidden_k = prenorm[last_rows[active]]
-        tokens_k = self.draft.compute_logits(hidden_k).argmax(-1)
+        tokens_k = self.draft.greedy_tokens(hidden_k)
         positions = [seqs[i].num_computed - 1 for i in active]  # position of each active sequence's last step-0 row
         for i, t in zip(active, tokens_k.tolist()):
             seqs[i].draft_tokens.append(t)
@@ -164,7 +164,7 @@ class SpeculativeDecoder:
             attn = self.runner.metadata([1] * len(active), [p + 1 for p in positions],
                                         [seqs[i].block_table for i in active])
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
-            tokens_k = self.draft.compute_logits(hidden_k).argmax(-1)
+            tokens_k = self.draft.greedy_tokens(hidden_k)
             for i, t in zip(active, tokens_k.tolist()):
                 seqs[i].draft_tokens.append(t)
 

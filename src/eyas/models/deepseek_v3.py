@@ -115,12 +115,38 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(x)
-        if x.shape[0] == 1:  # single-token decode: no grouping needed
-            weights = weights.to(x.dtype)
-            out = sum(self.experts[e](x) * weights[:, j, None] for j, e in enumerate(expert_ids[0].tolist()))
-            return (out + self.shared_experts(x) if self.shared_experts is not None else out).view(shape)
+        # every path adds expert outputs in ascending expert order, so a token's result does not depend on
+        # which path ran it (decode, verify and prefill rows compute the same numbers)
+        if x.shape[0] * expert_ids.shape[1] >= len(self.experts):
+            out = self._all_experts(x, expert_ids, weights)
+        elif x.shape[0] == 1:
+            out = self._one_token(x, expert_ids, weights)
+        else:
+            out = self._grouped(x, expert_ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _one_token(self, x, expert_ids, weights):
+        pairs = sorted(zip(expert_ids[0].tolist(), range(expert_ids.shape[1])))
         out = torch.zeros_like(x)
-        # group the (token, slot) pairs by expert with one sort; each expert then runs once on its tokens
+        for e, j in pairs:
+            out = out + self.experts[e](x) * weights[:, j, None].to(x.dtype)
+        return out
+
+    def _all_experts(self, x, expert_ids, weights):
+        """Enough (token, expert) pairs to touch most experts: run each expert on every token, weight 0 if unrouted.
+        No sorting or gathering, and each expert's weights are read once."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        dense.scatter_(1, expert_ids, weights.to(x.dtype))  # [num_tokens, num_experts]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * dense[:, e, None]
+        return out
+
+    def _grouped(self, x, expert_ids, weights):
+        """Few tokens per expert: group the (token, slot) pairs by expert with one sort; each expert runs once."""
+        out = torch.zeros_like(x)
         order = expert_ids.flatten().argsort(stable=True)
         counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
         token_idx = order // expert_ids.shape[1]
@@ -131,9 +157,7 @@ class MoE(nn.Module):
                 rows = token_idx[start:start + count]
                 out.index_add_(0, rows, self.experts[e](x[rows]) * weights[start:start + count])
                 start += count
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+        return out
 
 
 class DecoderLayer(nn.Module):

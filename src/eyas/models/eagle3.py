@@ -339,6 +339,11 @@ class Eagle3Draft(nn.Module):
         out[..., target_ids] = logits
         return out
 
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """The draft's proposals as target ids: argmax in the draft vocabulary, mapped through d2t."""
+        draft_ids = self.lm_head(self.norm(prenorm)).argmax(-1)
+        return draft_ids + self.d2t[draft_ids] if self.config.compressed_vocab else draft_ids
+
     def cache_entry_shape(self) -> tuple[int, ...]:
         """Per-token shape of the draft's one-layer paged cache."""
         c = self.config

@@ -39,5 +39,8 @@ class MTPDraft(nn.Module):
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         return self.layer.compute_logits(prenorm)
 
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(prenorm).argmax(-1)
+
     def cache_entry_shape(self) -> tuple[int, ...]:
         return (self.latent_dim,)
