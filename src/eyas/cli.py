@@ -58,7 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or [],
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=min(args.max_num_seqs, len(prompts)),
+              kv_cache_memory_gb=args.kv_cache_memory,
               speculative_config=speculative_config(args))
     outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
     for prompt, out in zip(prompts, outputs):
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the text")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    g.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: 0.25 on "
+                   "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small models)")

@@ -53,6 +53,7 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int = 512,
+                 kv_cache_memory_gb: float | None = None,
                  speculative_method: str | None = None, draft_model: str | Path | None = None,
                  num_speculative_tokens: int = 3, speculative_config: SpeculativeConfig | None = None) -> None:
         """`speculative_method` "eagle" (with `draft_model`) or "mtp" turns on speculative decoding;
@@ -67,7 +68,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         if num_blocks is None:
-            num_blocks = -(-max_num_seqs * self.max_model_len // block_size)
+            num_blocks = default_num_blocks(config, self.model.lm_head.weight, max_num_seqs, self.max_model_len,
+                                            block_size, kv_cache_memory_gb, speculative_config is not None)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
@@ -189,6 +191,23 @@ class LLM:
             bar.update(len(self.step()))
         bar.close()
         return [self.output(s) for s in seqs]
+
+
+def default_num_blocks(config, weight: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,
+                       memory_gb: float | None, speculative: bool) -> int:
+    """Blocks for max_num_seqs full-length sequences, capped by a memory budget: `memory_gb`, else 0.25 GiB on CPU
+    and 90% of the free accelerator memory. Sequences past the cap wait or are preempted, never lost."""
+    bytes_per_token = config.num_hidden_layers * config.latent_dim * weight.element_size()
+    if speculative:  # the draft's one-layer cache shares the block tables
+        bytes_per_token += bytes_per_token // config.num_hidden_layers * 2
+    if memory_gb is None:
+        memory_gb = 0.25 if weight.device.type == "cpu" else 0.9 * torch.cuda.mem_get_info(weight.device)[0] / 2**30
+    budget_blocks = int(memory_gb * 2**30 // (bytes_per_token * block_size))
+    needed = -(-max_num_seqs * max_model_len // block_size)
+    if budget_blocks < -(-max_model_len // block_size):
+        raise ValueError(f"a KV cache of {memory_gb:.3g} GiB holds {budget_blocks * block_size} tokens, less than "
+                         f"one {max_model_len}-token sequence; raise the KV cache memory or lower max_model_len")
+    return min(needed, budget_blocks)
 
 
 def load_draft_for(config: SpeculativeConfig, target):
