@@ -57,9 +57,9 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
                 latent_cache: torch.Tensor | None = None) -> torch.Tensor:
-        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         if attn is None:
-            return self._expanded(q_nope, q_rope, kv, k_rope)
+            return self._expanded(x, cos, sin)
+        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         # write this step's latents, then attend over each sequence's whole context in the absorbed form
         latent_cache[attn.slot_mapping] = torch.cat([kv, k_rope], dim=-1).to(latent_cache.dtype)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -70,14 +70,19 @@ class MLAttention(nn.Module):
         out = torch.matmul(out_latent.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v]
         return self.o_proj(out.transpose(0, 1).flatten(-2))
 
-    def _expanded(self, q_nope, q_rope, kv, k_rope) -> torch.Tensor:
-        batch, seq = kv.shape[:2]
+    def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-head q [..., heads, qk_head_dim], k (same), v [..., heads, v_head_dim]: the expanded form, for
+        attention without a cache (scoring, training)."""
+        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         k_nope, v = self.kv_b_proj(kv).unflatten(-1, (self.num_heads, -1)).split([self.nope_dim, self.v_dim], -1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(-1, -1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], -1)], dim=-1)
+        return torch.cat([q_nope, q_rope], dim=-1), k, v
+
+    def _expanded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.expanded_qkv(x, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
 class MoE(nn.Module):

@@ -251,13 +251,17 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(2 * config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
-                kv_cache: torch.Tensor | None = None) -> torch.Tensor:
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [..., heads, head_dim]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [..., kv_heads, head_dim]
+    def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [..., heads, head_dim], k and v [..., kv_heads, head_dim], rope applied."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        q, k = apply_rope(q, cos, sin, interleave=False), apply_rope(k, cos, sin, interleave=False)
+        return apply_rope(q, cos, sin, interleave=False), apply_rope(k, cos, sin, interleave=False), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
+                kv_cache: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.expanded_qkv(x, cos, sin)
         if attn is None:  # [batch, seq, ...], causal over the seq positions
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, scale=self.scale, enable_gqa=True)

@@ -1,0 +1,120 @@
+"""The EAGLE-3 training-time-test (TTT) loss: the draft runs several steps on its own outputs, as it will when
+serving, and every step is trained toward the target's distribution.
+
+Indexing, for a sequence of T tokens (t indexes the position whose hidden state started the chain):
+
+    step 0   hidden = fc(aux[t])            token = ids[t + 1]       position t       target = p(token t + 2)
+    step k   hidden = prenorm_{k-1}[t]      token = ids[t + 1 + k]   position t + k   target = p(token t + 2 + k)
+
+p(token j) is the target's softmax at position j - 1. The input tokens are the true ones (teacher forcing); the
+hidden states are the draft's own, so errors compound as at inference. Positions t + k match the engine, which
+runs draft step k at the last accepted position + k.
+
+Attention (the "extended" mask): step k at t sees step 0's keys at positions <= t (causal) and the keys of steps
+1..k at t only, exactly the draft cache an inference chain started at t has. Worked example, T = 3, k = 2, query t = 1:
+step-0 keys [t=0, t=1], step-1 key [t=1], step-2 key [t=1] -> 4 visible keys; step-0 key t=2 is masked.
+
+Loss per step: soft cross-entropy between the target's softmax and the draft's log-softmax over the draft vocabulary
+(forward KL up to a constant), averaged over positions whose predicted token is loss-masked (assistant tokens) and
+whose target argmax lies in the draft vocabulary; steps weighted decay^k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eyas.models.eagle3 import Eagle3Draft
+
+
+@dataclass(slots=True)
+class TTTOutput:
+    loss: torch.Tensor  # scalar: sum_k decay^k * loss_sum_k / num_positions_k
+    loss_sums: list[torch.Tensor]  # per step: summed soft CE over counted positions (for exact cross-rank sums)
+    counts: list[torch.Tensor]  # per step: positions counted
+    correct: list[torch.Tensor]  # per step: counted positions where the draft's argmax is the target's
+
+
+def target_log_probs(target_logits: torch.Tensor, draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary [..., draft_vocab] and whether its argmax is in it."""
+    if not draft.config.compressed_vocab:
+        return target_logits.float().log_softmax(-1), torch.ones(target_logits.shape[:-1], dtype=torch.bool,
+                                                                  device=target_logits.device)
+    draft_to_target = torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t
+    in_vocab = draft.t2d[target_logits.argmax(-1)]
+    return target_logits[..., draft_to_target].float().log_softmax(-1), in_vocab
+
+
+def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+                       diag_v: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """q [B, T, h, d]; k0/v0 [B, T, hk, d|dv] from step 0 (causal); diag_k/diag_v [B, T, hk, ...] from steps
+    1..k, each visible only at its own position. Returns [B, T, h, dv]."""
+    group = q.shape[2] // k0.shape[2]
+
+    def heads(x):  # grouped-query: kv head j serves query heads j*group..(j+1)*group-1
+        return x.repeat_interleave(group, dim=2) if group > 1 else x
+
+    k0, v0 = heads(k0), heads(v0)
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores0 = torch.einsum("bthd,bshd->bhts", q.float(), k0.float()) * scale  # [B, h, T, T]
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    diag = [torch.einsum("bthd,bthd->bht", q.float(), heads(k).float()) * scale for k in diag_k]  # [B, h, T] each
+    probs = torch.cat([scores0] + [s.unsqueeze(-1) for s in diag], dim=-1).softmax(-1)
+    out = torch.einsum("bhts,bshd->bthd", probs[..., :T], v0.float())
+    for j, v in enumerate(diag_v):
+        out = out + probs[..., T + j].transpose(1, 2).unsqueeze(-1) * heads(v).float()
+    return out.to(q.dtype)
+
+
+def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One TTT step over [B, T]: returns the pre-norm output and this step's (k, v). `past` holds (k, v) of the
+    earlier steps, step 0 first."""
+    layer = draft.layers[0]
+    attn = layer.self_attn
+    x = torch.cat([layer.input_layernorm(draft.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
+    cos, sin = draft.rotary(positions)
+    q, k, v = attn.expanded_qkv(x, cos, sin)
+    if past:
+        (k0, v0), later = past[0], past[1:]
+        out = extended_attention(q, k0, v0, [kk for kk, _ in later] + [k], [vv for _, vv in later] + [v], attn.scale)
+    else:
+        out = extended_attention(q, k, v, [], [], attn.scale)
+    h = hidden + attn.o_proj(out.flatten(-2))
+    return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
+
+
+def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+             target_logits: torch.Tensor, ttt_steps: int = 3, decay: float = 0.9) -> TTTOutput:
+    """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [B, T, vocab]."""
+    B, T = input_ids.shape
+    if T < ttt_steps + 2:
+        raise ValueError(f"sequences of {T} tokens are too short for {ttt_steps} TTT steps (need >= {ttt_steps + 2})")
+    target_lp, in_vocab = target_log_probs(target_logits, draft)  # [B, T, draft_vocab], [B, T]
+    hidden = draft.fc(aux_hidden_states.flatten(-2).to(draft.fc.weight.dtype))  # [B, T, H]
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    total = hidden.new_zeros((), dtype=torch.float32)
+    loss_sums, counts, correct = [], [], []
+    base = torch.arange(T, device=input_ids.device)
+    for k in range(ttt_steps):
+        # tokens t + 1 + k and targets t + 2 + k run off the end for the last positions: pad and mask them
+        n = T - 1 - k  # positions with an input token
+        tokens = F.pad(input_ids[:, 1 + k:], (0, T - n))
+        prenorm, kv = draft_step(draft, hidden, tokens, base + k, past)
+        past.append(kv)
+        logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [B, T, draft_vocab]
+        m = T - 2 - k  # positions with a target
+        weight = (loss_mask[:, 2 + k:].float() * in_vocab[:, 1 + k:T - 1].float())  # [B, m]
+        target = target_lp[:, 1 + k:T - 1]  # [B, m, draft_vocab]: target position t + 1 + k
+        ce = -(target.exp() * logits[:, :m]).sum(-1)  # [B, m]
+        loss_sum = (ce * weight).sum()
+        count = weight.sum()
+        loss_sums.append(loss_sum)
+        counts.append(count)
+        correct.append(((logits[:, :m].argmax(-1) == target.argmax(-1)).float() * weight).sum())
+        total = total + decay ** k * loss_sum / count.clamp(min=1)
+        hidden = prenorm
+    return TTTOutput(loss=total, loss_sums=loss_sums, counts=counts, correct=correct)

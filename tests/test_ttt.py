@@ -1,0 +1,106 @@
+"""Train-time test: what the draft sees in training is what it sees when the engine runs it."""
+
+import pytest
+import torch
+from tiny import YARN, make_hf_checkpoint
+
+from eyas import load_model
+from eyas.models.attention import AttentionMetadata
+from eyas.train.trainer import init_draft, new_draft_config
+from eyas.train.ttt import draft_step, ttt_loss
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    make_hf_checkpoint(path, rope_parameters=YARN)
+    return load_model(path)
+
+
+def make_draft(target, arch, draft_vocab=0):
+    d2t = None
+    if draft_vocab:
+        kept = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(0))[:draft_vocab]
+        d2t = kept.sort().values - torch.arange(draft_vocab)
+    config = new_draft_config(target.config, arch, (1, 2, 3), draft_vocab)
+    draft = init_draft(target, config, d2t, seed=1)
+    with torch.no_grad():  # larger weights than the init so attention is far from uniform
+        for name, p in draft.named_parameters():
+            if p.dim() == 2 and not name.startswith(("embed_tokens", "lm_head")):
+                p.normal_(0, 0.2)
+    return draft
+
+
+def chain_by_ttt(draft, aux, ids, steps):
+    """prenorm of every TTT step, [steps][B, T, H], as ttt_loss computes them."""
+    T = ids.shape[1]
+    hidden = draft.fc(aux.flatten(-2))
+    past, outs = [], []
+    for k in range(steps):
+        tokens = torch.nn.functional.pad(ids[:, 1 + k:], (0, 1 + k))
+        hidden, kv = draft_step(draft, hidden, tokens, torch.arange(T) + k, past)
+        past.append(kv)
+        outs.append(hidden)
+    return outs
+
+
+def chain_by_engine(draft, aux, ids, start, steps):
+    """The engine's way: draft step 0 over positions 0..start through the paged cache, then one token per step."""
+    cache = torch.zeros(64, *draft.cache_entry_shape())
+    blocks = [0, 1, 2, 3]
+    attn = AttentionMetadata.build([start + 1], [start + 1], [blocks], 16)
+    hidden = draft(draft.fc(aux[0, :start + 1].flatten(-2)), ids[0, 1:start + 2], attn, cache)[-1:]
+    outs = [hidden[0]]
+    for k in range(1, steps):
+        attn = AttentionMetadata.build([1], [start + k + 1], [blocks], 16)
+        hidden = draft(hidden, ids[0, start + 1 + k:start + 2 + k], attn, cache)
+        outs.append(hidden[0])
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["mla", "mha"])
+def test_ttt_steps_equal_the_engines_draft_chain(target, arch):
+    draft = make_draft(target, arch)
+    g = torch.Generator().manual_seed(2)
+    T, steps = 12, 4
+    ids = torch.randint(0, 96, (1, T), generator=g)
+    aux = torch.randn(1, T, 3, 32, generator=g)
+    with torch.no_grad():
+        ttt = chain_by_ttt(draft, aux, ids, steps)
+        # step 0 is also the draft's own batched causal forward
+        batched = draft(draft.fc(aux.flatten(-2)), torch.nn.functional.pad(ids[:, 1:], (0, 1)))
+        assert (ttt[0] - batched).abs().max() < 1e-5
+        for start in (0, 3, 7):
+            engine = chain_by_engine(draft, aux, ids, start, steps)
+            for k in range(steps):
+                assert (ttt[k][0, start] - engine[k]).abs().max().item() < 1e-4, (start, k)
+
+
+def test_loss_is_soft_cross_entropy_over_the_draft_vocab(target):
+    draft = make_draft(target, "mha", draft_vocab=40)
+    g = torch.Generator().manual_seed(3)
+    B, T = 2, 10
+    ids = torch.randint(0, 96, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[1, :6] = 0
+    aux = torch.randn(B, T, 3, 32, generator=g)
+    target_logits = torch.randn(B, T, 96, generator=g)
+    with torch.no_grad():
+        out = ttt_loss(draft, ids, mask, aux, target_logits, ttt_steps=2, decay=0.5)
+        prenorm = chain_by_ttt(draft, aux, ids, 2)
+    kept = torch.arange(40) + draft.d2t
+    for k in range(2):
+        expected_sum, expected_count = 0.0, 0
+        for b in range(B):
+            for t in range(T - 2 - k):
+                target_row = target_logits[b, t + 1 + k]
+                if mask[b, t + 2 + k] == 0 or not draft.t2d[target_row.argmax()]:
+                    continue
+                p = target_row[kept].softmax(-1)
+                log_q = draft.lm_head(draft.norm(prenorm[k][b, t])).log_softmax(-1)
+                expected_sum += -(p * log_q).sum().item()
+                expected_count += 1
+        assert out.counts[k].item() == expected_count > 0
+        assert abs(out.loss_sums[k].item() - expected_sum) < 1e-3
+    total = sum(0.5 ** k * out.loss_sums[k] / out.counts[k] for k in range(2))
+    assert abs(out.loss.item() - total.item()) < 1e-5
