@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "num_generated, finish_reason, time_to_first_token, tokens_per_second")
     add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
+
+    from eyas.eval.acceptance import add_cli as add_eval
+    from eyas.train.trainer import add_cli as add_train
+
+    add_train(sub)
+    add_eval(sub)
     return parser
 
 

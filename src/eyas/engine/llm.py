@@ -33,8 +33,10 @@ class RequestOutput:
     elapsed: float
     num_drafted: int = 0
     num_accepted: int = 0
+    num_verify_steps: int = 0
     acceptance_length: float = 1.0  # tokens per verify step: 1 + accepted / verify steps
     accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft k
+    accepted_counts: list[int] = field(default_factory=list)  # verify steps whose draft k was accepted
 
     @property
     def num_generated(self) -> int:
@@ -172,7 +174,8 @@ class LLM:
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], token_ids=seq.generated_ids, text=text,
             finish_reason=seq.finish_reason or "", time_to_first_token=(seq.first_token_time or 0) - seq.arrival_time,
             elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time, num_drafted=seq.num_drafted,
-            num_accepted=seq.num_accepted, acceptance_length=seq.acceptance_length,
+            num_accepted=seq.num_accepted, num_verify_steps=steps, acceptance_length=seq.acceptance_length,
+            accepted_counts=list(seq.accepted_per_position),
             accepted_per_position=[a / steps for a in seq.accepted_per_position] if steps else [])
 
     def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,

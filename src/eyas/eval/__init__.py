@@ -1,0 +1,1 @@
+"""Evaluation of drafts: acceptance through the real engine."""

@@ -1,0 +1,157 @@
+"""`eyas eval`: acceptance length of a draft per prompt category, through the real engine.
+
+Prompts file: JSONL records `{"category": ..., "turns": ["first user turn", ...]}` (MT-Bench style; each turn is
+sent as a chat message after the model's previous answers) or `{"category": ..., "prompt": "raw text"}`.
+Acceptance length (AL) = tokens committed per verify step = 1 + accepted drafts / verify steps, summed over a
+category's requests before dividing; acceptance at draft position k = verify steps whose draft k was accepted /
+verify steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from eyas.config import SamplingParams
+
+
+def read_prompts(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such prompts file")
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)) and not (
+                isinstance(record, dict) and isinstance(record.get("prompt"), str)):
+            raise ValueError(f"{path}:{lineno}: expected {{\"category\": ..., \"turns\": [strings]}} or "
+                             "{\"category\": ..., \"prompt\": string}")
+        records.append({"category": str(record.get("category", "all")), "turns": turns, "prompt": record.get("prompt")})
+    if not records:
+        raise ValueError(f"{path}: no prompts")
+    return records
+
+
+def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
+    """Run every record (turn by turn, all records batched per turn); aggregate acceptance per category."""
+    counts: dict[str, dict] = defaultdict(lambda: {"requests": 0, "generated_tokens": 0, "verify_steps": 0,
+                                                     "accepted_drafts": 0, "accepted_counts": []})
+    histories: list[list[dict]] = [[] for _ in records]
+    num_turns = [len(r["turns"]) if r["turns"] else 1 for r in records]
+    for turn in range(max(num_turns)):
+        active = [i for i in range(len(records)) if num_turns[i] > turn]
+        prompts = []
+        for i in active:
+            if records[i]["turns"]:
+                histories[i].append({"role": "user", "content": records[i]["turns"][turn]})
+                prompts.append(list(histories[i]))
+            else:
+                prompts.append(records[i]["prompt"])
+        for i, out in zip(active, llm.generate(prompts, params)):
+            if records[i]["turns"]:
+                histories[i].append({"role": "assistant", "content": out.text})
+            for key in (records[i]["category"], "overall"):
+                _add(counts[key], out)
+    return {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
+            "overall": _summary(counts["overall"])}
+
+
+def _add(c: dict, out) -> None:
+    c["requests"] += 1
+    c["generated_tokens"] += out.num_generated
+    c["verify_steps"] += out.num_verify_steps
+    c["accepted_drafts"] += out.num_accepted
+    for k, hits in enumerate(out.accepted_counts):
+        if k == len(c["accepted_counts"]):
+            c["accepted_counts"].append(0)
+        c["accepted_counts"][k] += hits
+
+
+def _summary(c: dict) -> dict:
+    steps = c["verify_steps"]
+    return {"requests": c["requests"], "generated_tokens": c["generated_tokens"], "verify_steps": steps,
+            "accepted_drafts": c["accepted_drafts"],
+            "acceptance_length": round(1 + c["accepted_drafts"] / steps, 4) if steps else 1.0,
+            "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
+
+
+def plot_report(report: dict, png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(report["categories"])
+    fig, (ax_al, ax_pos) = plt.subplots(1, 2, figsize=(11, 4))
+    values = [report["categories"][c]["acceptance_length"] for c in categories] + [
+        report["overall"]["acceptance_length"]]
+    ax_al.bar(categories + ["overall"], values, color=["C0"] * len(categories) + ["C1"])
+    ax_al.set(ylabel="acceptance length (tokens / verify step)", title="acceptance length per category")
+    ax_al.tick_params(axis="x", rotation=30)
+    for category in categories:
+        rates = report["categories"][category]["accepted_per_position"]
+        ax_pos.plot(range(1, len(rates) + 1), rates, marker="o", label=category)
+    overall = report["overall"]["accepted_per_position"]
+    ax_pos.plot(range(1, len(overall) + 1), overall, marker="s", color="black", label="overall")
+    ax_pos.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position",
+               xticks=range(1, len(overall) + 1))
+    ax_pos.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def add_cli(subparsers) -> None:
+    from eyas.cli import add_speculative_args
+    from eyas.engine.llm import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "eval", help="acceptance length per category of a draft on a prompts file, through the engine",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompts", type=Path, help="JSONL prompts file (category + turns, or category + prompt)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
+    add_speculative_args(p)
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from eyas.cli import set_threads, speculative_config
+    from eyas.engine.llm import LLM
+
+    set_threads(args.threads, "cpu")
+    spec = speculative_config(args)
+    if spec is None:
+        raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
+    records = read_prompts(args.prompts)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
+                            max_tokens=args.max_new_tokens)
+    report = evaluate(llm, records, params)
+    report["settings"] = {"model": str(args.model), "method": spec.method, "draft_model": spec.draft_model,
+                          "num_speculative_tokens": spec.num_speculative_tokens,
+                          "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                          "prompts": str(args.prompts)}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        draft = Path(spec.draft_model).name if spec.draft_model else "the target's MTP layer"
+        title = f"{spec.method}: {draft}, K={spec.num_speculative_tokens}"
+        plot_report(report, args.out.with_suffix(".png"), title)
+    return 0
+
