@@ -166,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from eyas.eval.acceptance import add_cli as add_eval
+    from eyas.train.regenerate import add_cli as add_regenerate
     from eyas.train.trainer import add_cli as add_train
 
+    add_regenerate(sub)
     add_train(sub)
     add_eval(sub)
     return parser

@@ -1,0 +1,119 @@
+"""`eyas regenerate`: rewrite the assistant turns of a conversation file with the target's own answers.
+
+Drafts trained on what the target itself says accept more than drafts trained on someone else's answers. Each
+conversation keeps its system and user turns; every assistant turn is replaced by the target's generation given
+the conversation so far (earlier turns already regenerated). Conversations are processed in chunks, all of a chunk
+batched through the engine turn by turn; each finished chunk is appended to the output, so an interrupted run
+resumes after the last complete chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eyas.config import SamplingParams
+
+
+def normalise(record: dict, where: str) -> list[dict]:
+    """OpenAI `messages` or ShareGPT `conversations` -> messages."""
+    if isinstance(record.get("messages"), list):
+        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    if isinstance(record.get("conversations"), list):
+        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+        try:
+            return [{"role": roles[m["from"]], "content": m["value"]} for m in record["conversations"]]
+        except KeyError as e:
+            raise ValueError(f"{where}: ShareGPT turn with an unknown or missing field {e}") from e
+    raise ValueError(f"{where}: expected a 'messages' or 'conversations' list")
+
+
+def regenerate(llm, conversations: list[list[dict]], params: SamplingParams,
+               first_index: int = 0) -> list[list[dict]]:
+    """The conversations with every assistant turn replaced by the target's answer, batched turn by turn.
+
+    With sampling and a seed, conversation i's turn j is seeded from (seed, first_index + i, j): the output does
+    not depend on chunking or batching."""
+    out: list[list[dict]] = [[] for _ in conversations]
+    position = [0] * len(conversations)
+    turn = 0
+    while True:
+        # advance each conversation to its next assistant turn, copying the other turns
+        waiting = []
+        for i, conv in enumerate(conversations):
+            while position[i] < len(conv) and conv[position[i]]["role"] != "assistant":
+                out[i].append(dict(conv[position[i]]))
+                position[i] += 1
+            if position[i] < len(conv):
+                waiting.append(i)
+        if not waiting:
+            return out
+        per_request = [params if params.seed is None or params.greedy else
+                       replace(params, seed=hash((params.seed, first_index + i, turn)) % 2**63) for i in waiting]
+        for i, answer in zip(waiting, llm.generate([list(out[i]) for i in waiting], per_request)):
+            out[i].append({"role": "assistant", "content": answer.text})
+            position[i] += 1
+        turn += 1
+
+
+def add_cli(subparsers) -> None:
+    from eyas.engine.llm import DEFAULT_MODEL
+
+    p = subparsers.add_parser("regenerate", help="rewrite assistant turns with the target's own answers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", type=Path, help="JSONL conversations (OpenAI messages or ShareGPT conversations)")
+    p.add_argument("out", type=Path, help="output JSONL (messages form); appended to, so reruns resume")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=64, help="conversations per saved chunk")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--limit", type=int, help="only the first N conversations")
+    p.add_argument("--threads", type=int)
+    p.set_defaults(func=_cmd_regenerate)
+
+
+def _cmd_regenerate(args: argparse.Namespace) -> int:
+    from eyas.cli import set_threads
+    from eyas.engine.llm import LLM
+
+    set_threads(args.threads, "cpu")
+    if not args.data.is_file():
+        raise ValueError(f"{args.data}: no such file")
+    conversations = []
+    for lineno, line in enumerate(args.data.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.data}:{lineno}: not valid JSON ({e})") from e
+            conversations.append(normalise(record, f"{args.data}:{lineno}"))
+    conversations = conversations[:args.limit] if args.limit else conversations
+    done = 0
+    if args.out.is_file():
+        text = args.out.read_text()
+        if text and not text.endswith("\n"):  # a write cut short: drop the partial last line
+            text = text[:text.rfind("\n") + 1]
+            args.out.write_text(text)
+        done = len(text.splitlines())
+    if done > len(conversations):
+        raise ValueError(f"{args.out} has {done} lines but {args.data} only {len(conversations)} conversations; "
+                         "is it the output of another file?")
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv")
+    for start in range(done, len(conversations), args.chunk_size):
+        chunk = conversations[start:start + args.chunk_size]
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
+        rewritten = regenerate(llm, chunk, params, first_index=start)
+        with open(args.out, "a") as f:  # whole chunks, appended once done
+            f.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rewritten))
+        bar.update(len(chunk))
+    bar.close()
+    print(f"{args.out}: {len(conversations)} conversations ({len(conversations) - done} regenerated now)")
+    return 0
