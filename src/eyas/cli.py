@@ -166,12 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from eyas.eval.acceptance import add_cli as add_eval
+    from eyas.export import add_cli as add_export
+    from eyas.inspect import add_cli as add_inspect
+    from eyas.train.hidden_states import add_cli as add_dump_hidden_states
     from eyas.train.regenerate import add_cli as add_regenerate
     from eyas.train.trainer import add_cli as add_train
+    from eyas.train.vocab import add_cli as add_calibrate_vocab
 
     add_regenerate(sub)
+    add_calibrate_vocab(sub)
+    add_dump_hidden_states(sub)
     add_train(sub)
     add_eval(sub)
+    add_export(sub)
+    add_inspect(sub)
     return parser
 
 

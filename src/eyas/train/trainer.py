@@ -195,10 +195,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     d2t = None
     draft_vocab = cfg.draft_vocab_size
     if cfg.vocab_file:
-        from safetensors.torch import load_file
+        from eyas.train.vocab import load_vocab
 
-        maps = load_file(cfg.vocab_file)
-        d2t, draft_vocab = maps["d2t"], maps["d2t"].shape[0]
+        d2t, _ = load_vocab(cfg.vocab_file)
+        draft_vocab = d2t.shape[0]
     elif draft_vocab and draft_vocab != target.config.vocab_size:
         from eyas.train.vocab import calibrate_vocab
 

@@ -1,0 +1,466 @@
+"""Write EAGLE-3 drafts in the layouts other engines load, and FP8 weight-only drafts (DESIGN.md §4).
+
+A draft is loaded with `load_draft` (any layout) and written back as one of:
+
+| format   | MHA architecture       | MLA architecture (model_type)             | layer     | aux ids          |
+|----------|------------------------|-------------------------------------------|-----------|------------------|
+| eyas     | LlamaForCausalLMEagle3 | Eagle3DeepseekV2ForCausalLM (deepseek_v2) | layers.0. | hidden_states  T |
+| vllm     | Eagle3LlamaForCausalLM | Eagle3DeepseekV2ForCausalLM (deepseek_v2) | layers.0. | hidden_states  T |
+| sglang   | LlamaForCausalLMEagle3 | DeepseekV3ForCausalLMEagle3 (deepseek_v3) | midlayer. | hidden_states    |
+| modelopt | LlamaForCausalLMEagle3 | Eagle3DeepseekV2ForCausalLM (kimi_k2)     | layers.0. | layer_output (-1)|
+| max      | LlamaForCausalLMEagle3 | Eagle3DeepseekV2ForCausalLM (deepseek_v2) | layers.0. | hidden_states  T |
+
+(T: the ids also at the top level, which vLLM reads first; every format writes them in `eagle_config`.)
+
+Every config names its aux-id convention (`eagle_aux_hidden_state_layer_ids_convention`), so no reader has to guess.
+The target's embedding is never written (every engine shares the target's); `lm_head.weight` always is, so a file
+is self-contained even when its head equals the target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from eyas.aux_layers import AuxConvention, from_hidden_state_ids
+from eyas.checkpoint import CheckpointError, checkpoint_files, dequantize_fp8, fp8_block_size
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD, Eagle3Draft, load_draft
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# the eagle_config keys Model Optimizer's export template writes; eyas's loader recognises a ModelOpt export by them
+MODELOPT_EAGLE_CONFIG = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                         "use_last_layernorm": True, "use_mtp_layernorm": False, "next_layer_regular": True,
+                         "parallel_draft_step": 1, "parallel_draft_heads_num_layers": 1}
+
+
+class ExportError(ValueError):
+    """A draft that cannot be written in the requested format, naming the field and what the format needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftFormat:
+    """What one engine's draft checkpoint looks like."""
+
+    name: str
+    layer_prefix: str  # where the one decoder layer's keys live
+    mha_architecture: str
+    mla_architecture: str
+    mla_model_type: str
+    convention: AuxConvention  # how eagle_aux_hidden_state_layer_ids are numbered in the file
+    top_level_ids: bool  # also write the ids at the top level (vLLM reads that field first)
+    t2d: bool  # write t2d beside d2t (Model Optimizer's exporter rejects it; the rest skip or read it)
+    engines: str
+
+
+FORMATS = {
+    "eyas": DraftFormat("eyas", "layers.0.", "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v2",
+                        AuxConvention.HIDDEN_STATES, True, True, "eyas (what `eyas train` saves)"),
+    # deepseek_v2, not deepseek_v3: vLLM's config override turns a deepseek_v3 draft into an MTP model
+    "vllm": DraftFormat("vllm", "layers.0.", "Eagle3LlamaForCausalLM", "Eagle3DeepseekV2ForCausalLM", "deepseek_v2",
+                        AuxConvention.HIDDEN_STATES, True, True, "vLLM"),
+    # SGLang/SpecForge name the layer `midlayer.`; SpecForge's MLA draft class is DeepseekV3ForCausalLMEagle3
+    # (a DeepseekV3Config), which SGLang registers as an alias of DeepseekV2ForCausalLMEagle3
+    "sglang": DraftFormat("sglang", "midlayer.", "LlamaForCausalLMEagle3", "DeepseekV3ForCausalLMEagle3",
+                          "deepseek_v3", AuxConvention.HIDDEN_STATES, False, True, "SGLang, SpecForge"),
+    # Model Optimizer's export templates: llama -> LlamaForCausalLMEagle3, kimik2 -> Eagle3DeepseekV2ForCausalLM
+    # with model_type kimi_k2; its key check allows only d2t and lm_head beside the layer weights
+    "modelopt": DraftFormat("modelopt", "layers.0.", "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM",
+                            "kimi_k2", AuxConvention.LAYER_OUTPUT, False, False, "NVIDIA Model Optimizer"),
+    "max": DraftFormat("max", "layers.0.", "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v2",
+                       AuxConvention.HIDDEN_STATES, True, True, "Modular MAX"),
+}
+
+
+# ---- config ----------------------------------------------------------------------------------------------------
+
+def _format(fmt: str) -> DraftFormat:
+    if fmt not in FORMATS:
+        raise ExportError(f"format {fmt!r} is not one of {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def scaled_rope(rope: RopeConfig, rope_scaling: dict) -> RopeConfig:
+    """`rope` with YaRN from `rope_scaling` ({"type": "yarn", "factor": F, "original_max_position_embeddings": N,
+    optional beta_fast/beta_slow/mscale/mscale_all_dim}); fields not given keep the draft's yarn values if it has
+    them, else the YaRN defaults."""
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "yarn"))
+    if kind != "yarn":
+        raise ExportError(f"rope_scaling.type is {kind!r}; expected 'yarn' (the only scaling eyas writes)")
+    factor, original = rope_scaling.get("factor"), rope_scaling.get("original_max_position_embeddings")
+    if not isinstance(factor, int | float) or not factor >= 1:
+        raise ExportError(f"rope_scaling.factor is {factor!r}; expected a number >= 1")
+    if not isinstance(original, int) or original <= 0:
+        raise ExportError(f"rope_scaling.original_max_position_embeddings is {original!r}; expected a positive "
+                          "integer (the context length the draft was trained at)")
+    base = rope if rope.type == "yarn" else RopeConfig(head_dim=rope.head_dim, theta=rope.theta,
+                                                       interleave=rope.interleave)
+    extra = {k: float(rope_scaling[k]) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+             if rope_scaling.get(k) is not None}
+    return dataclasses.replace(base, type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                               **extra)
+
+
+def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = None,
+                      rope_scaling: dict | None = None) -> dict:
+    """config.json for `draft` in format `fmt` (see FORMATS); `rope_scaling` injects YaRN for long contexts."""
+    spec, c = _format(fmt), draft.config
+    dtype = dtype or draft.fc.weight.dtype
+    mla = c.arch == "mla"
+    if mla and fmt == "vllm" and c.mla.q_lora_rank is None:
+        raise ExportError("the draft's q_lora_rank is null (a q_proj draft); vLLM's MLA draft fuses q_a_proj with "
+                          "kv_a_proj_with_mqa and needs q_lora_rank set. Export --format sglang or eyas instead")
+    if fmt == "sglang" and c.num_aux_hidden_states != 3:
+        raise ExportError(f"the draft fuses {c.num_aux_hidden_states} aux hidden states; SGLang and SpecForge build "
+                          "fc as 3 x target_hidden_size. Export --format vllm, max or eyas instead")
+    if spec.convention is AuxConvention.LAYER_OUTPUT and 0 in c.aux_hidden_state_ids:
+        raise ExportError(f"aux id 0 (the embeddings) in {list(c.aux_hidden_state_ids)} has no layer_output number; "
+                          "Model Optimizer can only name decoder-layer outputs")
+    rope, max_pos = c.rope, c.max_position_embeddings
+    if rope_scaling:
+        rope = scaled_rope(rope, rope_scaling)
+        max_pos = max(max_pos, int(rope.factor * rope.original_max_position_embeddings))
+    file_ids = from_hidden_state_ids(c.aux_hidden_state_ids, spec.convention)
+
+    cfg: dict[str, Any] = {
+        "architectures": [spec.mla_architecture if mla else spec.mha_architecture],
+        "model_type": spec.mla_model_type if mla else "llama",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
+        "hidden_act": "silu", "mlp_bias": False, "attention_bias": c.attention_bias, "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size, "num_aux_hidden_states": c.num_aux_hidden_states,
+        "max_position_embeddings": max_pos, "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
+    }
+    if mla:
+        m = c.mla
+        # no n_routed_experts: the draft's one layer is dense (vLLM needs an integer or nothing here)
+        cfg.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                   v_head_dim=m.v_head_dim)
+        cfg.update(rope.to_hf())
+    else:
+        cfg.update(num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        # Llama rope is rotate-half whatever rope_interleave says, so the field is left out
+        cfg.update({k: v for k, v in rope.to_hf().items() if k != "rope_interleave"})
+
+    eagle: dict[str, Any] = {AUX_IDS_FIELD: file_ids, AUX_CONVENTION_FIELD: spec.convention.value,
+                             "use_aux_hidden_state": True}
+    if fmt == "modelopt":
+        eagle.update(MODELOPT_EAGLE_CONFIG)
+    cfg["eagle_config"] = eagle
+    if spec.top_level_ids:
+        cfg[AUX_IDS_FIELD] = file_ids
+        cfg[AUX_CONVENTION_FIELD] = spec.convention.value
+    return cfg
+
+
+# ---- tensors and files -----------------------------------------------------------------------------------------
+
+def draft_tensors(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The draft's own tensors under `fmt`'s key names; floating tensors in `dtype` (default: as they are)."""
+    spec = _format(fmt)
+    out = {}
+    for key, t in draft.state_dict().items():
+        if key.startswith("embed_tokens."):
+            continue  # the target's embedding: every engine shares it, and a copy in the file invites stale ones
+        if key == "t2d" and not spec.t2d:
+            continue
+        if key.startswith("layers.0."):
+            key = spec.layer_prefix + key[len("layers.0."):]
+        if t.is_floating_point() and dtype is not None:
+            t = t.to(dtype)
+        # copies: the lm_head may be the target's own tensor, and safetensors refuses shared storage
+        out[key] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def _write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """config.json + model.safetensors, each written to a temporary name and renamed, world-readable."""
+    path.mkdir(parents=True, exist_ok=True)
+    # readers load every *.safetensors (or the index) in a directory: leftovers would be merged into this draft
+    stale = sorted(p.name for p in path.glob("*.safetensors") if p.name != "model.safetensors")
+    stale += [p.name for p in path.glob("*.safetensors.index.json")]
+    if stale:
+        raise ExportError(f"{path}: already holds {', '.join(stale)}; readers would merge them with the exported "
+                          "draft. Choose an empty directory")
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)
+    tmp.replace(path / "model.safetensors")
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.chmod(0o644)
+    tmp.replace(path / "config.json")
+    return path
+
+
+def save_draft(draft: Eagle3Draft, path: str | Path, fmt: str = "eyas", dtype: torch.dtype | None = None,
+               rope_scaling: dict | None = None) -> Path:
+    """Write `draft` as config.json + model.safetensors in format `fmt`; `dtype` defaults to the draft's own."""
+    dtype = dtype or draft.fc.weight.dtype
+    config = draft_config_dict(draft, fmt, dtype, rope_scaling)
+    return _write_checkpoint(Path(path), draft_tensors(draft, fmt, dtype), config)
+
+
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype most of a checkpoint's non-FP8 floating-point values are stored in (read from the headers)."""
+    counts: Counter[torch.dtype] = Counter()
+    for file in checkpoint_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("_scale_inv"):
+                    continue
+                tensor = f.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+                if dtype is not None:
+                    counts[dtype] += math.prod(tensor.get_shape())
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def checkpoint_keys(path: str | Path) -> list[str]:
+    """Every tensor name in a checkpoint directory, from the safetensors headers only."""
+    keys = []
+    for file in checkpoint_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys += list(f.keys())
+        except Exception as e:  # safetensors raises its own types for a corrupt header
+            raise CheckpointError(f"{file}: cannot read the safetensors header ({type(e).__name__}: {e})") from e
+    return keys
+
+
+def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The parts of a target that `load_draft` reads: its config, embedding and lm_head, with none of the decoder
+    layers (exporting or inspecting a DeepSeek-V3 draft must not load 671B parameters)."""
+    path = Path(path)
+    config = DeepseekV3Config.from_json(path)
+    raw = json.loads((path / "config.json").read_text())
+    names = {"model.embed_tokens.weight", "lm_head.weight"}
+    names |= {n + "_scale_inv" for n in names}
+    stored: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in names & set(f.keys()):
+                stored[key] = f.get_tensor(key)
+    tensors = dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), dtype, source=str(path))
+    if "lm_head.weight" not in tensors and config.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        shape = (config.vocab_size, config.hidden_size)
+        if key not in tensors or tuple(tensors[key].shape) != shape:
+            found = tuple(tensors[key].shape) if key in tensors else "missing"
+            raise CheckpointError(f"{path}: target weight {key!r} is {found}; expected shape {shape}")
+    target = nn.Module()
+    target.config = config
+    target.model = nn.Module()
+    target.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=tensors[
+        "model.embed_tokens.weight"], _freeze=True)
+    target.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    target.lm_head.weight = nn.Parameter(tensors["lm_head.weight"], requires_grad=False)
+    return target.eval()
+
+
+def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Module:
+    if isinstance(target, nn.Module):
+        return target
+    # in the draft's own precision, so the draft's weights reach the writer unrounded
+    return load_target_head(target, stored_dtype(draft_dir) or torch.float32)
+
+
+def export_draft(src_dir: str | Path, out_dir: str | Path, fmt: str, target: nn.Module | str | Path,
+                 rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
+                 aux_convention: str | None = None) -> Path:
+    """Load a draft from any layout (`load_draft`) and write it in `fmt`. `target` is a loaded target model or a
+    target checkpoint directory (then only its config, embedding and lm_head are read); `dtype` defaults to the
+    dtype the source file stores."""
+    src_dir = Path(src_dir)
+    _format(fmt)
+    draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention)
+    return save_draft(draft, out_dir, fmt, dtype or stored_dtype(src_dir), rope_scaling)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------------------------
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block FP8: float8_e4m3fn values [rows, cols] and float32 scales [ceil(rows/b), ceil(cols/b)]
+    with weight ~= value x scale, scale = blockmax / 448 (0 for an all-zero block, whose values are 0)."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // block), -(-cols // block)
+    padded = F.pad(weight.float(), (0, bc * block - cols, 0, br * block - rows))
+    blocks = padded.view(br, block, bc, block)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [br, bc]
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]
+    values = (blocks / divisor).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(br * block, bc * block)[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def _is_projection(key: str, t: torch.Tensor, include_lm_head: bool) -> bool:
+    # every 2-D weight of the draft is a projection (fc, attention, MLP, lm_head); norms and biases are 1-D
+    if not (key.endswith(".weight") and t.dim() == 2 and t.is_floating_point()):
+        return False
+    return include_lm_head or key != "lm_head.weight"
+
+
+def quantize_draft_fp8(src_dir: str | Path, out_dir: str | Path, target: nn.Module | str | Path, block: int = 128,
+                       include_lm_head: bool = False, fmt: str = "eyas",
+                       aux_convention: str | None = None) -> dict[str, Any]:
+    """Weight-only FP8 draft: every projection (fc, attention, MLP; lm_head only with `include_lm_head`) stored
+    as float8_e4m3fn with a float32 `weight_scale_inv` per block x block tile, DeepSeek's layout; norms, d2t/t2d
+    and the kept lm_head stay in the source dtype. Returns what it did: keys, max abs weight error, file sizes."""
+    if not isinstance(block, int) or block <= 0:
+        raise ExportError(f"block size is {block!r}; expected a positive integer (DeepSeek uses 128)")
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention)
+    source_dtype = stored_dtype(src_dir) or draft.fc.weight.dtype
+    tensors = draft_tensors(draft, fmt, source_dtype)
+    quantized, worst, worst_key = [], 0.0, None
+    for key in list(tensors):
+        weight = tensors[key]
+        if not _is_projection(key, weight, include_lm_head):
+            continue
+        if not torch.isfinite(weight).all():
+            raise ExportError(f"{src_dir}: weight {key!r} has inf or NaN values; cannot scale it to FP8")
+        values, scale = quantize_fp8_blocks(weight, block)
+        # the error the loader will see: dequantized exactly as eyas.checkpoint.dequantize_fp8 does it
+        restored = dequantize_fp8({key: values, key + "_scale_inv": scale}, (block, block), torch.float32)[key]
+        error = (restored - weight.float()).abs().max().item()
+        if error >= worst:
+            worst, worst_key = error, key
+        tensors[key], tensors[key + "_scale_inv"] = values, scale
+        quantized.append(key)
+    config = draft_config_dict(draft, fmt, source_dtype)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block],
+                                     "activation_scheme": "dynamic"}
+    _write_checkpoint(out_dir, tensors, config)
+    return {
+        "path": str(out_dir), "format": fmt, "block_size": block, "source_dtype": DTYPE_NAMES.get(source_dtype),
+        "quantized": quantized, "kept": sorted(k for k in tensors if k not in quantized and
+                                               not k.endswith("_scale_inv")),
+        "max_abs_error": worst, "max_abs_error_key": worst_key,
+        "bytes_before": sum(f.stat().st_size for f in checkpoint_files(src_dir)),
+        "bytes_after": (out_dir / "model.safetensors").stat().st_size,
+    }
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _error(command: str, e: Exception) -> int:
+    print(f"eyas {command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    rope_scaling = None
+    if (args.rope_scaling_factor is None) != (args.rope_original_max_position_embeddings is None):
+        return _error("export", ValueError("--rope-scaling-factor and --rope-original-max-position-embeddings go "
+                                           "together (YaRN needs the factor and the trained context length)"))
+    if args.rope_scaling_factor is not None:
+        rope_scaling = {"type": "yarn", "factor": args.rope_scaling_factor,
+                        "original_max_position_embeddings": args.rope_original_max_position_embeddings}
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    try:
+        out = export_draft(args.draft, args.out, args.format, args.target, rope_scaling, dtype,
+                           args.aux_layer_convention)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+        return _error("export", e)
+    config = json.loads((out / "config.json").read_text())
+    eagle = config["eagle_config"]
+    print(f"wrote {out}/config.json + model.safetensors ({_mb((out / 'model.safetensors').stat().st_size)}): "
+          f"{args.format} layout ({FORMATS[args.format].engines}), {config['architectures'][0]} "
+          f"(model_type {config['model_type']}), {config['torch_dtype']}")
+    print(f"  aux ids {eagle[AUX_IDS_FIELD]} ({eagle[AUX_CONVENTION_FIELD]} convention), fc fuses "
+          f"{config['num_aux_hidden_states']} x {config['target_hidden_size']}, draft vocab "
+          f"{config['draft_vocab_size']} of {config['vocab_size']}")
+    if rope_scaling:
+        print(f"  rope: yarn factor {args.rope_scaling_factor} from {args.rope_original_max_position_embeddings} "
+              f"positions; max_position_embeddings {config['max_position_embeddings']}")
+    return 0
+
+
+def cmd_quantize_draft(args: argparse.Namespace) -> int:
+    if not args.fp8:
+        return _error("quantize-draft", ValueError("pass --fp8 (block FP8 e4m3 is the only scheme)"))
+    try:
+        report = quantize_draft_fp8(args.draft, args.out, args.target, args.block_size, args.include_lm_head,
+                                    args.format, args.aux_layer_convention)
+    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+        return _error("quantize-draft", e)
+    print(f"wrote {report['path']} ({report['format']} layout): {len(report['quantized'])} weights in FP8 e4m3, "
+          f"{report['block_size']}x{report['block_size']} blocks; kept in {report['source_dtype']}: "
+          f"{', '.join(report['kept'])}")
+    print(f"  max abs weight error {report['max_abs_error']:.3g} ({report['max_abs_error_key']}); "
+          f"{_mb(report['bytes_before'])} -> {_mb(report['bytes_after'])}")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Register `eyas export` and `eyas quantize-draft`."""
+    from eyas.engine.llm import DEFAULT_MODEL
+
+    conventions = [c.value for c in AuxConvention]
+    e = subparsers.add_parser(
+        "export", help="write an EAGLE-3 draft in the layout vLLM, SGLang, Model Optimizer or MAX loads",
+        description="Load an EAGLE-3 draft from any layout eyas reads and write config.json + model.safetensors in "
+        "one engine's layout. eyas/vllm/max: layer under layers.0., aux ids as hidden_states indices (vLLM: "
+        "Eagle3LlamaForCausalLM / Eagle3DeepseekV2ForCausalLM with model_type deepseek_v2). sglang: layer under "
+        "midlayer., LlamaForCausalLMEagle3 / DeepseekV3ForCausalLMEagle3, 3 aux states. modelopt: Model "
+        "Optimizer's layout, aux ids as 0-based layer outputs (one lower; vLLM and SGLang read them as "
+        "hidden_states). Every config names its aux-id convention. The target's embedding is never written; "
+        "lm_head always is. Reloading any export in eyas gives the same weights bit for bit.")
+    e.add_argument("draft", type=Path, metavar="DRAFT_DIR", help="the draft checkpoint directory to read")
+    e.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write (created; must hold no other "
+                   "*.safetensors)")
+    e.add_argument("--format", required=True, choices=sorted(FORMATS), help="the engine layout to write")
+    e.add_argument("--target", type=Path, default=DEFAULT_MODEL, metavar="DIR", help="the target checkpoint the "
+                   "draft belongs to; only its config, embedding and lm_head are read (default: the bundled tiny "
+                   "DeepSeek-V3)")
+    e.add_argument("--rope-scaling-factor", type=float, metavar="F", help="write YaRN rope scaling with this factor "
+                   "(a draft trained on short contexts served long); needs --rope-original-max-position-embeddings")
+    e.add_argument("--rope-original-max-position-embeddings", type=int, metavar="N", help="the context length the "
+                   "draft was trained at; max_position_embeddings becomes F x N")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of the written weights "
+                   "(default: the dtype the source file stores)")
+    e.add_argument("--aux-layer-convention", choices=conventions, help="how to read the SOURCE draft's aux ids "
+                   "(default: detected from its config, else hidden_states)")
+    e.set_defaults(func=cmd_export)
+
+    q = subparsers.add_parser(
+        "quantize-draft", help="write an FP8 (weight-only, block e4m3) copy of an EAGLE-3 draft",
+        description="Store every projection of the draft (fc, attention, MLP) as float8_e4m3fn with a float32 "
+        "weight_scale_inv per block (weight = value x scale, scale = blockmax / 448) and quantization_config "
+        "{quant_method: fp8, fmt: e4m3, weight_block_size: [B, B], activation_scheme: dynamic}: the block FP8 "
+        "layout DeepSeek-V3 ships, which eyas dequantizes on load. Norms, d2t/t2d and (by default) lm_head keep "
+        "the source dtype. Prints the largest weight error and the file sizes.")
+    q.add_argument("draft", type=Path, metavar="DRAFT_DIR", help="the draft checkpoint directory to read")
+    q.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write")
+    q.add_argument("--fp8", action="store_true", help="block FP8 e4m3 weights (required: the only scheme)")
+    q.add_argument("--block-size", type=int, default=128, metavar="B", help="scale block B x B (default 128, as "
+                   "DeepSeek-V3)")
+    q.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too (eyas loads it; vLLM and "
+                   "SGLang keep lm_head unquantized and will not)")
+    q.add_argument("--format", choices=sorted(FORMATS), default="eyas", help="key/config layout (default eyas)")
+    q.add_argument("--target", type=Path, default=DEFAULT_MODEL, metavar="DIR", help="the target checkpoint the "
+                   "draft belongs to (default: the bundled tiny DeepSeek-V3)")
+    q.add_argument("--aux-layer-convention", choices=conventions, help="how to read the source draft's aux ids")
+    q.set_defaults(func=cmd_quantize_draft)

@@ -1,0 +1,407 @@
+"""The target's hidden states for EAGLE-3 training: captured in memory (online training) or dumped to sharded
+safetensors and read back lazily (offline training).
+
+Every aux id here is a HF ``hidden_states`` index (eyas.aux_layers): id i is the input of decoder layer i, id L the
+last layer's output before the final norm. ``last_hidden`` is id L, so the target's distribution at each position is
+``target.compute_logits(target.model.norm(last_hidden))`` — stored pre-norm, as the draft's own outputs are.
+
+Dump layout (``OUT_DIR``):
+    manifest.json                  what was dumped from what; rewritten after every shard
+    shard-00000.safetensors ...    examples [k * examples_per_shard, (k + 1) * examples_per_shard), concatenated:
+        input_ids [N] int64, loss_mask [N] uint8, offsets [num_examples + 1] int64 (example j is rows
+        offsets[j]:offsets[j + 1]), aux_hidden_states [N, n_aux, H], last_hidden [N, H]
+A dump is resumable: shards are written to a temporary name and renamed, and the manifest lists only shards that
+are complete, so a rerun after a crash writes the missing ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import json
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from eyas.train.data import Example
+
+if TYPE_CHECKING:
+    from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+log = logging.getLogger("eyas")
+
+FORMAT = "eyas-hidden-states"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MANIFEST_KEYS = ("target", "aux_hidden_state_ids", "hidden_size", "dtype", "examples_per_shard", "num_examples",
+                 "num_shards", "shards", "complete")
+SHARD_KEYS = ("input_ids", "loss_mask", "offsets", "aux_hidden_states", "last_hidden")
+
+
+class HiddenStateError(ValueError):
+    """A dump eyas cannot write or read, naming the file at fault."""
+
+
+def capture_hidden_states(target: DeepseekV3ForCausalLM, input_ids: torch.Tensor,
+                          aux_hidden_state_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B, T, n_aux, H] in the order of `aux_hidden_state_ids`, last_hidden [B, T, H] = hidden_states id L,
+    before the final norm) for input_ids [B, T]. The target is only read: no gradients."""
+    L = target.config.num_hidden_layers
+    ids = tuple(int(i) for i in aux_hidden_state_ids)
+    if not ids:
+        raise ValueError("no aux hidden state ids given")
+    bad = [i for i in ids if not 0 <= i <= L]
+    if bad:
+        raise ValueError(f"aux hidden state ids {bad} are outside a {L}-layer target (hidden_states indices run "
+                         f"0..{L})")
+    with torch.no_grad():
+        _, captured = target.model(input_ids, aux_hidden_state_ids=ids + (L,))
+    return torch.stack(captured[:-1], dim=-2), captured[-1]
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+def target_fingerprint(target: DeepseekV3ForCausalLM, target_path: str | Path | None) -> str:
+    """sha256 of the target's config.json; of its config as eyas writes it when no directory is known."""
+    if target_path is not None and (Path(target_path) / "config.json").is_file():
+        return "sha256:" + hashlib.sha256((Path(target_path) / "config.json").read_bytes()).hexdigest()
+    canonical = json.dumps(target.config.to_hf(), sort_keys=True).encode()
+    return "sha256-config:" + hashlib.sha256(canonical).hexdigest()
+
+
+def data_fingerprint(examples: Sequence[Example]) -> str:
+    """sha256 over every example's ids and mask: a resumed dump must continue the same data."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(np.int64(len(ex.input_ids)).tobytes())
+        h.update(np.asarray(ex.input_ids, dtype=np.int64).tobytes())
+        h.update(np.asarray(ex.loss_mask, dtype=np.uint8).tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise HiddenStateError(f"{path}: no manifest; is {directory} a directory written by dump-hidden-states?")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HiddenStateError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise HiddenStateError(f"{path}: field 'format' is not {FORMAT!r}; not an eyas hidden-state dump")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise HiddenStateError(f"{path}: format_version {manifest.get('format_version')!r}; this eyas reads "
+                               f"version {FORMAT_VERSION}")
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise HiddenStateError(f"{path}: missing fields {missing}")
+    return manifest
+
+
+# fields a resumed dump must share with the one it continues: any difference would mix two datasets in one dump
+RESUME_FIELDS = ("target_fingerprint", "aux_hidden_state_ids", "num_examples", "data_fingerprint", "dtype",
+                 "examples_per_shard", "hidden_size")
+
+
+def _check_resumable(old: dict, new: dict, path: Path) -> None:
+    for key in RESUME_FIELDS:
+        old_value = old["target"].get("fingerprint") if key == "target_fingerprint" else old.get(key)
+        new_value = new["target"].get("fingerprint") if key == "target_fingerprint" else new.get(key)
+        if old_value != new_value:
+            raise HiddenStateError(f"{path}: this directory holds a dump with {key} = {old_value!r}, this run has "
+                                   f"{new_value!r}; refusing to mix them (use another OUT_DIR, or delete it)")
+
+
+def _shard_tensors(target, examples: Sequence[Example], aux_ids: tuple[int, ...], dtype: torch.dtype,
+                   batch_size: int, progress: tqdm) -> dict[str, torch.Tensor]:
+    """The concatenated tensors of one shard. Examples run in batches of similar length, right-padded: attention
+    is causal, so padding after a sequence never changes its real positions."""
+    device = target.lm_head.weight.device
+    aux_rows: list[torch.Tensor | None] = [None] * len(examples)
+    last_rows: list[torch.Tensor | None] = [None] * len(examples)
+    by_length = sorted(range(len(examples)), key=lambda j: (-len(examples[j].input_ids), j))
+    for b in range(0, len(by_length), batch_size):
+        batch = by_length[b:b + batch_size]
+        T = len(examples[batch[0]].input_ids)
+        ids = torch.zeros(len(batch), T, dtype=torch.int64)
+        for row, j in enumerate(batch):
+            ids[row, :len(examples[j].input_ids)] = torch.tensor(examples[j].input_ids, dtype=torch.int64)
+        aux, last = capture_hidden_states(target, ids.to(device), aux_ids)  # [b, T, n_aux, H], [b, T, H]
+        for row, j in enumerate(batch):
+            n = len(examples[j].input_ids)
+            aux_rows[j] = aux[row, :n].to(device="cpu", dtype=dtype)
+            last_rows[j] = last[row, :n].to(device="cpu", dtype=dtype)
+            progress.update(n)
+    lengths = torch.tensor([len(ex.input_ids) for ex in examples], dtype=torch.int64)
+    return {
+        "input_ids": torch.tensor([t for ex in examples for t in ex.input_ids], dtype=torch.int64),
+        "loss_mask": torch.tensor([m for ex in examples for m in ex.loss_mask], dtype=torch.uint8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "aux_hidden_states": torch.cat(aux_rows).contiguous(),
+        "last_hidden": torch.cat(last_rows).contiguous(),
+    }
+
+
+def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example], out_dir: str | Path,
+                       aux_hidden_state_ids: Sequence[int], examples_per_shard: int = 128,
+                       dtype: torch.dtype = torch.bfloat16, batch_size: int = 8,
+                       target_path: str | Path | None = None, max_shards: int | None = None) -> dict:
+    """Write the target's aux and last hidden states for `examples` as shards in `out_dir`; returns the manifest.
+
+    Resumable: shards already listed complete in `out_dir`'s manifest are kept; a manifest from another target,
+    other aux ids, other data or other shard settings is refused. `max_shards` stops after writing that many
+    shards (to split a long dump over several runs). Aux ids are fused in ascending layer order, as every
+    engine captures them.
+    """
+    out_dir = Path(out_dir)
+    config = target.config
+    L = config.num_hidden_layers
+    aux_ids = tuple(sorted(int(i) for i in aux_hidden_state_ids))
+    if len(set(aux_ids)) != len(aux_ids) or not aux_ids:
+        raise ValueError(f"aux hidden state ids {list(aux_hidden_state_ids)} must be distinct and non-empty")
+    if examples_per_shard < 1 or batch_size < 1:
+        raise ValueError(f"examples_per_shard ({examples_per_shard}) and batch_size ({batch_size}) must be positive")
+    dtype_name = next((name for name, d in DTYPES.items() if d == dtype), None)
+    if dtype_name is None:
+        raise ValueError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
+    if not examples:
+        raise ValueError("no examples to dump")
+    for n, ex in enumerate(examples):
+        if not 0 < len(ex.input_ids) <= config.max_position_embeddings:
+            raise ValueError(f"example {n} has {len(ex.input_ids)} tokens; the target takes 1.."
+                             f"{config.max_position_embeddings} (max_position_embeddings)")
+        if len(ex.loss_mask) != len(ex.input_ids):
+            raise ValueError(f"example {n}: loss_mask has {len(ex.loss_mask)} entries for {len(ex.input_ids)} tokens")
+
+    num_shards = math.ceil(len(examples) / examples_per_shard)
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "target": {"path": str(target_path) if target_path is not None else None,
+                   "fingerprint": target_fingerprint(target, target_path)},
+        "aux_hidden_state_ids": list(aux_ids), "aux_convention": "hidden_states",
+        "last_hidden_state_id": L, "last_hidden_note": "pre-final-norm output of the last layer; logits = "
+        "lm_head(norm(last_hidden))",
+        "num_hidden_layers": L, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+        "dtype": dtype_name, "examples_per_shard": examples_per_shard,
+        "num_examples": len(examples), "total_tokens": sum(len(ex.input_ids) for ex in examples),
+        "total_loss_tokens": sum(ex.num_loss_tokens for ex in examples),
+        "data_fingerprint": data_fingerprint(examples), "num_shards": num_shards,
+        "shards": [], "complete": False,
+    }
+
+    manifest_path = out_dir / MANIFEST
+    done: dict[str, dict] = {}
+    if manifest_path.exists():
+        old = read_manifest(out_dir)
+        _check_resumable(old, manifest, manifest_path)
+        for shard in old.get("shards", []):
+            file = out_dir / shard["file"]
+            if file.is_file() and file.stat().st_size == shard["bytes"]:
+                done[shard["file"]] = shard
+        if done:
+            log.warning("%s: resuming a dump, %d of %d shards already written", out_dir, len(done), num_shards)
+    elif out_dir.is_dir() and any(out_dir.glob("shard-*.safetensors")):
+        raise HiddenStateError(f"{out_dir}: holds shard files but no {MANIFEST}; refusing to overwrite them "
+                               "(use another OUT_DIR, or delete it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest["shards"] = sorted(done.values(), key=lambda s: s["first_example"])
+    manifest["complete"] = len(done) == num_shards
+    _write_json(manifest_path, manifest)
+
+    written = 0
+    tokens_done = sum(s["num_tokens"] for s in done.values())
+    with tqdm(total=manifest["total_tokens"], initial=tokens_done, unit="tok", desc="hidden states") as progress:
+        for k in range(num_shards):
+            name = f"shard-{k:05d}.safetensors"
+            if name in done:
+                continue
+            if max_shards is not None and written >= max_shards:
+                break
+            first, last = k * examples_per_shard, min(len(examples), (k + 1) * examples_per_shard)
+            tensors = _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
+            tmp = out_dir / (name + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            tmp.chmod(0o644)  # safetensors creates files owner-only
+            tmp.replace(out_dir / name)
+            manifest["shards"].append({"file": name, "first_example": first, "num_examples": last - first,
+                                       "num_tokens": int(tensors["input_ids"].shape[0]),
+                                       "bytes": (out_dir / name).stat().st_size})
+            manifest["shards"].sort(key=lambda s: s["first_example"])
+            manifest["complete"] = len(manifest["shards"]) == num_shards
+            _write_json(manifest_path, manifest)
+            written += 1
+    return manifest
+
+
+# -- reading -----------------------------------------------------------------------------------------------------
+
+class HiddenStateShards:
+    """The examples of a dump, read lazily: a shard is opened (memory-mapped) when one of its examples is first
+    asked for, and at most `max_open` shards stay open. Item i is a dict of input_ids LongTensor [T], loss_mask
+    FloatTensor [T], aux_hidden_states [T, n_aux, H] and last_hidden [T, H] (in the dump's dtype)."""
+
+    def __init__(self, directory: str | Path, max_open: int = 2) -> None:
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        m = self.manifest
+        if not m.get("complete"):
+            raise HiddenStateError(f"{self.directory / MANIFEST}: the dump is incomplete ({len(m['shards'])} of "
+                                   f"{m['num_shards']} shards); rerun dump-hidden-states with the same arguments "
+                                   "to finish it")
+        self.shards = sorted(m["shards"], key=lambda s: s["first_example"])
+        expected = 0
+        for s in self.shards:  # the shards must tile 0..num_examples with no gap or overlap
+            if s["first_example"] != expected:
+                raise HiddenStateError(f"{self.directory / MANIFEST}: shard {s['file']} starts at example "
+                                       f"{s['first_example']}, expected {expected}")
+            expected += s["num_examples"]
+        if expected != m["num_examples"]:
+            raise HiddenStateError(f"{self.directory / MANIFEST}: shards hold {expected} examples, num_examples is "
+                                   f"{m['num_examples']}")
+        self._starts = [s["first_example"] for s in self.shards]
+        self.max_open = max(1, max_open)
+        self._open: OrderedDict[int, tuple] = OrderedDict()  # shard index -> (safe_open handle, offsets list)
+
+    def __len__(self) -> int:
+        return self.manifest["num_examples"]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"example {i} out of range for a dump of {n} examples")
+        k = bisect.bisect_right(self._starts, i) - 1
+        f, offsets = self._shard(k)
+        j = i - self.shards[k]["first_example"]
+        a, b = offsets[j], offsets[j + 1]
+        return {
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].float(),
+            "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],
+            "last_hidden": f.get_slice("last_hidden")[a:b],
+        }
+
+    def _shard(self, k: int) -> tuple:
+        if k in self._open:
+            self._open.move_to_end(k)
+            return self._open[k]
+        shard = self.shards[k]
+        path = self.directory / shard["file"]
+        if not path.is_file():
+            raise HiddenStateError(f"{path}: shard listed in {MANIFEST} is missing; rerun dump-hidden-states")
+        try:
+            f = safe_open(str(path), framework="pt")
+            keys = set(f.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise HiddenStateError(f"{path}: cannot read safetensors ({type(e).__name__}: {e}); the shard may be "
+                                   "truncated or corrupt, delete it and rerun dump-hidden-states") from e
+        missing = [key for key in SHARD_KEYS if key not in keys]
+        if missing:
+            raise HiddenStateError(f"{path}: missing tensors {missing}")
+        offsets = f.get_tensor("offsets").tolist()
+        m = self.manifest
+        aux_shape = f.get_slice("aux_hidden_states").get_shape()
+        expected = [shard["num_tokens"], len(m["aux_hidden_state_ids"]), m["hidden_size"]]
+        if len(offsets) != shard["num_examples"] + 1 or offsets[-1] != shard["num_tokens"] or aux_shape != expected:
+            raise HiddenStateError(f"{path}: holds {len(offsets) - 1} examples, {offsets[-1]} tokens, aux states "
+                                   f"{aux_shape}; {MANIFEST} says {shard['num_examples']} examples, aux states "
+                                   f"{expected}")
+        self._open[k] = (f, offsets)
+        if len(self._open) > self.max_open:
+            self._open.popitem(last=False)
+        return self._open[k]
+
+    def __getstate__(self) -> dict:
+        # open safetensors handles cannot be pickled (DataLoader workers): each copy reopens what it reads
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+
+# -- CLI ---------------------------------------------------------------------------------------------------------
+
+def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
+    from eyas.aux_layers import default_aux_layer_ids, to_hidden_state_ids
+    from eyas.checkpoint import load_model
+    from eyas.config import DeepseekV3Config
+    from eyas.engine.llm import load_tokenizer
+    from eyas.train.data import load_dataset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.device == "cpu":
+        torch.set_num_threads(1)  # small targets run several times faster on one CPU thread (thread sync dominates)
+    config = DeepseekV3Config.from_json(args.model)
+    L = config.num_hidden_layers
+    if args.aux_layer_ids:
+        aux_ids = to_hidden_state_ids(args.aux_layer_ids, args.aux_layer_convention, L)
+    else:
+        aux_ids = default_aux_layer_ids(L)
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+    max_length = args.max_length
+    if max_length > config.max_position_embeddings:
+        log.warning("--max-length %d exceeds the target's max_position_embeddings; truncating examples to %d",
+                    max_length, config.max_position_embeddings)
+        max_length = config.max_position_embeddings
+    examples = load_dataset(args.data, tokenizer, max_length)
+    target = load_model(args.model, dtype=args.target_dtype, device=args.device)
+    manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids, examples_per_shard=args.examples_per_shard,
+                                  dtype=DTYPES[args.dtype], batch_size=args.batch_size, target_path=args.model)
+    given = (f" (given as {args.aux_layer_convention} ids {args.aux_layer_ids})"
+             if args.aux_layer_ids and args.aux_layer_convention != "hidden_states" else "")
+    print(f"wrote {manifest['num_examples']} examples ({manifest['total_tokens']} tokens, "
+          f"{manifest['total_loss_tokens']} loss tokens) in {manifest['num_shards']} shards to {args.out_dir}")
+    print(f"aux hidden states at hidden_states ids {manifest['aux_hidden_state_ids']}{given} and the last hidden "
+          f"state (id {L}, before the final norm), {manifest['dtype']}, hidden size {manifest['hidden_size']}")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`eyas dump-hidden-states`."""
+    from eyas.engine.llm import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "dump-hidden-states", help="write the target's aux hidden states for offline draft training",
+        description="Tokenize a JSONL training file and write, per token, the target's aux hidden states and its "
+        "last hidden state (before the final norm) as sharded safetensors plus manifest.json. Rerunning with the "
+        "same arguments resumes an interrupted dump.")
+    p.add_argument("data", type=Path, metavar="DATA.jsonl", help="conversations (OpenAI messages or ShareGPT) "
+                   "or {\"text\": ...} records")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory (default: the "
+                   "bundled tiny DeepSeek-V3)")
+    p.add_argument("--aux-layer-ids", type=int, nargs="+", metavar="ID", help="layers whose hidden states the "
+                   "draft fuses (default: (2, L//2, L-3) in hidden_states convention)")
+    p.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"], default="hidden_states",
+                   help="how --aux-layer-ids count: hidden_states (vLLM/SGLang/MAX: id i = input of layer i) or "
+                   "layer_output (Model Optimizer: id i = output of layer i, one lower)")
+    p.add_argument("--max-length", type=int, default=2048, help="tokens per example; longer ones are truncated")
+    p.add_argument("--examples-per-shard", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8, help="examples per target forward")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the stored states")
+    p.add_argument("--target-dtype", default="auto", help="dtype the target runs in: auto (float32 on CPU, "
+                   "bfloat16 on GPU), float32, bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small targets)")
+    p.set_defaults(func=cmd_dump_hidden_states)
+    return p

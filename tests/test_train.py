@@ -1,0 +1,137 @@
+"""`eyas train`: the loss falls, online and offline agree, resume is exact, data parallel equals one process."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tiny import make_hf_checkpoint
+
+from eyas.engine.llm import DEFAULT_MODEL
+from eyas.train.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = root / "target"
+    make_hf_checkpoint(target, vocab_size=8192)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, target / name)
+    data = root / "data.jsonl"
+    lines = []
+    for i in range(24):
+        lines.append({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
+                                   {"role": "assistant", "content": f"    return a + b + {i}\n" * 3}]})
+        lines.append({"text": f"for i in range({i}):\n    print(i, {i})\n" * 2})
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root, target, data
+
+
+def config(setup, out, **kw):
+    root, target, data = setup
+    base = dict(target=str(target), out=str(root / out), data=str(data), draft_arch="mla", aux_layer_ids=[1, 2, 3],
+                lr=3e-3, warmup_steps=2, max_steps=12, batch_size=4, max_length=64, save_every=4, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_log(path):
+    records = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        records[r["step"]] = r  # a resumed run rewrites the steps after its checkpoint: keep the last
+    return [records[s] for s in sorted(records)]
+
+
+@pytest.mark.parametrize("arch", ["mla", "mha"])
+def test_loss_falls_and_accuracy_rises(setup, arch):
+    cfg = config(setup, f"run_{arch}", draft_arch=arch, max_steps=30, draft_vocab_size=512)
+    train(cfg)
+    log = read_log(setup[0] / f"run_{arch}" / "train_log.jsonl")
+    def mean(records, key, k=None):
+        return sum(r[key] if k is None else r[key][k] for r in records) / len(records)
+
+    first, last = log[:3], log[-3:]
+    # soft cross-entropy against a random target cannot fall below that target's entropy (~6.6 nats per step)
+    assert mean(last, "loss") < mean(first, "loss") - 0.5
+    for k in range(3):
+        assert mean(last, "acc_per_step", k) > mean(first, "acc_per_step", k)
+    out = setup[0] / f"run_{arch}"
+    assert (out / "draft" / "config.json").is_file() and (out / "train_curves.png").is_file()
+    # the trained draft serves: speculative greedy equals plain greedy
+    from eyas import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["def add_3(a, b):\n", "for i in range("]
+    plain = LLM(setup[1]).generate(prompts, params)
+    spec = LLM(setup[1], speculative_method="eagle", draft_model=out / "draft").generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_online_and_offline_give_the_same_loss(setup):
+    import torch
+
+    from eyas import load_model
+    from eyas.engine.llm import load_tokenizer
+    from eyas.train.data import load_dataset
+    from eyas.train.hidden_states import dump_hidden_states
+
+    root, target_dir, data = setup
+    target = load_model(target_dir)
+    examples = load_dataset(data, load_tokenizer(target_dir), 64)
+    dump = root / "dump"
+    dump_hidden_states(target, examples, dump, (1, 2, 3), examples_per_shard=16, dtype=torch.float32, batch_size=1,
+                       target_path=target_dir)
+    online = train(config(setup, "online", max_steps=2))
+    offline = train(config(setup, "offline", data=None, hidden_states=str(dump), max_steps=2))
+    assert online["loss_per_step"] == pytest.approx(offline["loss_per_step"], rel=1e-5, abs=1e-6)
+
+
+def run_cli(args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def cli_args(setup, out, steps=12):
+    root, target, data = setup
+    return ["train", "--target", str(target), "--data", str(data), "--out", str(root / out), "--aux-layer-ids",
+            "1", "2", "3", "--lr", "3e-3", "--warmup-steps", "2", "--max-steps", str(steps), "--batch-size", "4",
+            "--max-length", "64", "--save-every", "3"]
+
+
+def test_kill_9_then_resume_continues_exactly(setup):
+    root = setup[0]
+    assert run_cli(cli_args(setup, "whole")).wait() == 0
+    proc = run_cli(cli_args(setup, "killed"))
+    log = root / "killed" / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 5 <= len(log.read_text().splitlines()) < 12, "the run should have been killed mid-way"
+    assert run_cli(cli_args(setup, "killed") + ["--resume"]).wait() == 0
+    whole, resumed = read_log(root / "whole" / "train_log.jsonl"), read_log(log)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(whole, resumed):
+        assert a["loss"] == b["loss"] and a["acc_per_step"] == b["acc_per_step"], a["step"]
+
+
+def test_two_process_data_parallel_equals_one_process(setup):
+    root = setup[0]
+    assert run_cli(cli_args(setup, "one", steps=3)).wait() == 0
+    torchrun = shutil.which("torchrun") or "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "eyas.cli",
+                           *cli_args(setup, "two", steps=3)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = read_log(root / "one" / "train_log.jsonl"), read_log(root / "two" / "train_log.jsonl")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["loss_per_step"] == pytest.approx(b["loss_per_step"], rel=1e-4)
