@@ -186,3 +186,15 @@ def test_cli_prompt_longer_than_context(text_checkpoint, capsys):
 def test_cli_bad_sampling_value(capsys):
     code, _, err = run_cli(["generate", "--top-p", "1.5"], capsys)
     assert code != 0 and "top_p" in err
+
+
+@shipped
+def test_stop_strings_given_but_eos_ends_the_text():
+    llm = LLM(DEFAULT_MODEL)
+    free = llm.generate(["import os\n\n\nclass "], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    # the first token that did not occur before it becomes the end-of-sequence token
+    j = next(j for j in range(1, 12) if free.token_ids[j] not in free.token_ids[:j])
+    llm.eos_token_ids = {free.token_ids[j]}
+    out = llm.generate(["import os\n\n\nclass "], SamplingParams(temperature=0, max_tokens=12, stop=["never seen"]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:j + 1]
+    assert out.text == llm.tokenizer.decode(free.token_ids[:j + 1], skip_special_tokens=True) != ""

@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eyas.eval.acceptance import add_cli as add_eval
     from eyas.export import add_cli as add_export
     from eyas.inspect import add_cli as add_inspect
+    from eyas.serve.cli import add_cli as add_serve
     from eyas.train.hidden_states import add_cli as add_dump_hidden_states
     from eyas.train.regenerate import add_cli as add_regenerate
     from eyas.train.trainer import add_cli as add_train
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval(sub)
     add_export(sub)
     add_inspect(sub)
+    add_serve(sub)
     return parser
 
 

@@ -166,8 +166,8 @@ class LLM:
         return None
 
     def output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text if seq.finish_reason == "stop" and seq.params.stop and seq.text is not None else None
-        if text is None or not seq.params.stop:
+        text = seq.text
+        if text is None:
             text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) if self.tokenizer else ""
         steps = seq.num_verify_steps
         return RequestOutput(
@@ -194,6 +194,12 @@ class LLM:
             bar.update(len(self.step()))
         bar.close()
         return [self.output(s) for s in seqs]
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a request between steps: it finishes with reason "abort" and its KV blocks are freed now."""
+        if not seq.is_finished:
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq, "abort")
 
 
 def default_num_blocks(config, weight: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,

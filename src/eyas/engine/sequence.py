@@ -34,7 +34,7 @@ class Sequence:
         self.accepted_per_position: list[int] = []  # [k]: verify steps whose draft k was accepted
         self.status = Status.WAITING
         self.finish_reason: str | None = None
-        self.text = ""  # generated text, cut at a stop string if one appeared
+        self.text: str | None = None  # set when a stop string ended the sequence: the text before it
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

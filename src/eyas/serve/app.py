@@ -1,0 +1,253 @@
+"""`eyas serve`: an OpenAI-compatible HTTP server over one `LLM`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (both stream as Server-Sent Events with `stream: true`),
+GET /v1/models, /health and /metrics (Prometheus text). Every refusal is a 4xx with an OpenAI error body. The engine
+runs in one background thread (see engine.py); a client that disconnects cancels its request and frees its KV
+blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eyas.engine.llm import LLM
+from eyas.serve.engine import EngineLoop, EngineRequest, Update
+from eyas.serve.metrics import ServerMetrics
+from eyas.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    completion_body,
+    new_id,
+    usage,
+    validation_error,
+)
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`."""
+    metrics = ServerMetrics(model_name)
+    engine = EngineLoop(llm, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="eyas", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        metrics.rejected(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:  # a bug: still an OpenAI error body
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+                            status_code=e.status_code)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not given.startswith("Bearer "):
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        if not secrets.compare_digest(given[len("Bearer "):].encode(), api_key.encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "eyas",
+                                            "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(llm), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, CompletionRequest, model_name)
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        return await _respond(request, engine, body, body.prompt, max_tokens, "text_completion", model_name)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, ChatRequest, model_name)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        messages = [m.as_dict() for m in body.messages]
+        return await _respond(request, engine, body, messages, max_tokens, "chat.completion", model_name)
+
+    app.include_router(v1)
+    return app
+
+
+async def _parse(request: Request, cls: type[BaseModel], model_name: str):
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        body = cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from e
+    if body.model != model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    return body
+
+
+async def _respond(request: Request, engine: EngineLoop, body, prompt, max_tokens: int | None, kind: str,
+                   model_name: str) -> Response:
+    params = body.sampling_params(max_tokens or 1)
+    req = engine.submit(prompt, params, fill_context=max_tokens is None)
+    try:
+        first = await req.queue.get()  # admitted (an empty Update) or refused (an ApiError)
+    except BaseException:
+        engine.abort(req)
+        raise
+    if isinstance(first, ApiError):
+        raise first
+    rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
+    updates = _updates(request, engine, req)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _EventStream(_sse(updates, rid, kind, model_name, first, include_usage, body.return_token_ids),
+                            on_close=lambda: engine.abort(req))
+    text, token_ids, last = [], [], first
+    async for update in updates:
+        text.append(update.text)
+        token_ids += update.token_ids
+        last = update
+    if last.finish_reason is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    make = chat_body if kind == "chat.completion" else completion_body
+    return JSONResponse(make(rid, model_name, "".join(text), last.finish_reason, last.num_prompt_tokens,
+                             last.num_generated, token_ids if body.return_token_ids else None))
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that calls `on_close` however it ends (finished, client gone, cancelled), so an abandoned
+    stream never keeps its sequence running until garbage collection closes the generators."""
+
+    def __init__(self, content: AsyncIterator[str], on_close) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _updates(request: Request, engine: EngineLoop, req: EngineRequest) -> AsyncIterator[Update]:
+    """The request's updates until it finishes. A client that goes away aborts it; so does anything that stops
+    this generator early (the streaming response being cancelled on disconnect)."""
+    last_check = time.monotonic()
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(req.queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                item = None
+            if time.monotonic() - last_check >= DISCONNECT_POLL_S:
+                last_check = time.monotonic()
+                if await request.is_disconnected():
+                    return
+            if item is None:
+                continue
+            if isinstance(item, ApiError):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+    finally:
+        engine.abort(req)  # a no-op once it has finished
+
+
+async def _sse(updates: AsyncIterator[Update], rid: str, kind: str, model_name: str, first: Update,
+               include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
+    """OpenAI stream chunks as Server-Sent Events, ending with `data: [DONE]`."""
+    created = int(time.time())
+    chat = kind == "chat.completion"
+
+    def chunk(text: str, finish_reason: str | None, token_ids: list[int] | None = None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [choice]}
+        if include_usage:
+            data["usage"] = None
+        return f"data: {json.dumps(data)}\n\n"
+
+    if chat:
+        yield chunk("", None, role=True)
+    last = first
+    try:
+        async for update in updates:
+            last = update
+            if update.text or update.finish_reason or (return_token_ids and update.token_ids):
+                yield chunk(update.text, update.finish_reason, update.token_ids)
+    except ApiError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    if include_usage and last.finish_reason is not None:
+        data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model_name, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_generated)}
+        yield f"data: {json.dumps(data)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, then run uvicorn until interrupted."""
+    import uvicorn
+
+    from eyas.cli import set_threads, speculative_config
+
+    set_threads(args.threads, args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
+              speculative_config=speculative_config(args))
+    name = args.served_model_name or Path(args.model).name
+    app = build_app(llm, name, api_key=args.api_key)
+    log_level = "info" if getattr(args, "verbose", False) else "warning"
+    uvicorn.run(app, host=args.host, port=args.port, log_level=log_level)
+    return 0

@@ -1,0 +1,38 @@
+"""`eyas serve` on the command line. Kept apart from app.py so building the `eyas` parser does not import
+FastAPI and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eyas.engine.llm import DEFAULT_MODEL
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from eyas.serve.app import serve
+
+    return serve(args)
+
+
+def add_cli(subparsers) -> None:
+    from eyas.cli import add_speculative_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve the target (optionally with speculative decoding) at "
+                              "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF checkpoint directory of the target "
+                   "(default: the bundled tiny DeepSeek-V3)")
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: 0.25 on "
+                   "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small models)")
+    add_speculative_args(p)
+    p.set_defaults(func=_serve)

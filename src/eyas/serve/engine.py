@@ -1,0 +1,211 @@
+"""The server's engine loop: one thread owns the `LLM` (and its tokenizer) and is the only caller of `step()`.
+
+Handlers never touch the LLM. They `submit` a request and read `Update`s from the request's asyncio queue:
+
+    handler --submit/abort--> inbox (queue.Queue) --> engine thread: add / abort / step / detokenize
+    handler <--Update | ApiError-- request.queue (asyncio.Queue, fed with loop.call_soon_threadsafe)
+
+The first item a request receives says whether it was admitted (an empty Update) or refused (an ApiError), so a
+streaming handler knows its status code before it sends headers. An abort is applied between two steps: the
+sequence finishes with reason "abort" and its KV blocks go back to the allocator before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from eyas.config import SamplingParams
+from eyas.engine.llm import LLM, PromptTooLong
+from eyas.engine.sequence import Sequence
+from eyas.serve.metrics import ServerMetrics
+from eyas.serve.protocol import ApiError
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the inbox before checking for shutdown
+
+
+@dataclass(slots=True)
+class Update:
+    text: str  # text new since the previous update
+    token_ids: list[int]  # tokens new since the previous update
+    num_prompt_tokens: int
+    num_generated: int  # all generated tokens so far
+    finish_reason: str | None = None  # "stop" | "length" on the last update
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    prompt: str | list[int] | list[dict]
+    params: SamplingParams
+    fill_context: bool  # no max_tokens given: generate up to the end of the context
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    # engine-thread state: what has been sent so far
+    sent_text: str = ""
+    num_sent_tokens: int = 0
+
+    def deliver(self, item: Update | ApiError) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, metrics: ServerMetrics) -> None:
+        self.llm = llm
+        self.metrics = metrics
+        self.inbox: queue.Queue[tuple[str, EngineRequest]] = queue.Queue()
+        self.live: dict[int, EngineRequest] = {}  # seq_id -> request, engine thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eyas-engine", daemon=True)
+        spec = llm.speculative_config
+        self._draft_slack = spec.max_num_tokens if spec is not None else 0
+
+    # -- called from the event loop -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams, fill_context: bool) -> EngineRequest:
+        req = EngineRequest(prompt, params, fill_context, asyncio.get_running_loop())
+        self.inbox.put(("add", req))
+        return req
+
+    def abort(self, req: EngineRequest) -> None:
+        """Cancel `req` if it is still running (a no-op once it has finished)."""
+        self.inbox.put(("abort", req))
+
+    # -- the engine thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        scheduler = self.llm.scheduler
+        while not self._stopping.is_set():
+            self._drain(block=not scheduler.has_work())
+            if not scheduler.has_work():
+                continue
+            try:
+                self.llm.step()
+                self._publish()
+            except Exception as e:  # an engine bug: fail what is running rather than spin on it
+                log.exception("engine step failed")
+                for req in list(self.live.values()):
+                    self._finish(req, "abort")
+                    req.deliver(ApiError(500, f"engine step failed: {type(e).__name__}: {e}"))
+        for req in list(self.live.values()):
+            self._finish(req, "abort")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, req = item
+            if kind == "add":
+                self._add(req)
+            elif req.seq is not None and req.seq.seq_id in self.live:
+                self._finish(req, "abort")
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, req: EngineRequest) -> None:
+        try:
+            req.seq = self._admit(req)
+        except ApiError as e:
+            req.deliver(e)
+            return
+        except Exception as e:  # a bug, not the client's fault; the engine thread must survive it
+            log.exception("admitting a request failed")
+            req.deliver(ApiError(500, f"could not admit the request: {type(e).__name__}: {e}"))
+            return
+        self.live[req.seq.seq_id] = req
+        req.deliver(Update("", [], req.seq.num_prompt_tokens, 0))
+
+    def _admit(self, req: EngineRequest) -> Sequence:
+        """Encode and check the request; anything wrong with it is a 400 that names the field."""
+        llm, params = self.llm, req.params
+        param = "messages" if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], dict) \
+            else "prompt"
+        try:
+            ids = llm.encode(req.prompt)
+        except Exception as e:  # no tokenizer, or the chat template refused the messages
+            raise ApiError(400, f"{param} could not be tokenized: {e}", param=param) from e
+        context = llm.max_model_len
+        if not ids:
+            raise ApiError(400, f"{param} is empty after tokenization", param=param)
+        if len(ids) >= context:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context holds {context} (the prompt "
+                           "plus at least one generated token must fit)", param=param, code="context_length_exceeded")
+        allocator = llm.allocator
+        if req.fill_context:  # up to the end of the context, or of the KV cache if that is smaller
+            capacity = allocator.num_blocks * allocator.block_size - self._draft_slack
+            params.max_tokens = max(1, min(context, capacity) - len(ids))
+        elif len(ids) + params.max_tokens > context:
+            raise ApiError(400, f"max_tokens is {params.max_tokens}; the prompt has {len(ids)} tokens and this "
+                           f"model's context holds {context}, so at most {context - len(ids)} can be generated",
+                           param="max_tokens", code="context_length_exceeded")
+        if allocator.blocks_for(len(ids) + params.max_tokens + self._draft_slack) > allocator.num_blocks:
+            raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more "
+                           f"KV cache than this server has ({allocator.num_blocks * allocator.block_size} tokens)",
+                           param="max_tokens", code="context_length_exceeded")
+        try:
+            return llm.add_request(ids, params)
+        except (PromptTooLong, ValueError) as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from e
+
+    def _publish(self) -> None:
+        """Send each live request the text and tokens it has not seen yet; retire the finished ones."""
+        for req in list(self.live.values()):
+            seq = req.seq
+            if seq.num_generated == req.num_sent_tokens and not seq.is_finished:
+                continue
+            text = self._text(seq, final=seq.is_finished)
+            delta = text[len(req.sent_text):] if text.startswith(req.sent_text) else ""
+            new_ids = seq.generated_ids[req.num_sent_tokens:]
+            req.sent_text += delta
+            req.num_sent_tokens = seq.num_generated
+            if seq.is_finished:
+                self._finish(req, seq.finish_reason)
+            req.deliver(Update(delta, new_ids, seq.num_prompt_tokens, seq.num_generated,
+                               seq.finish_reason if seq.is_finished else None))
+
+    def _text(self, seq: Sequence, final: bool) -> str:
+        """The generated text, cut at the first stop string (as the engine cuts it). Until the end, hold back
+        what could still turn out to be the start of a stop string or of a multi-byte character."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            return ""
+        text = tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+        stops = seq.params.stop
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)]
+        if final:
+            return text
+        if stops:
+            text = text[:len(text) - (max(len(s) for s in stops) - 1)]
+        return text.rstrip("\ufffd")
+
+    def _finish(self, req: EngineRequest, reason: str) -> None:
+        seq = req.seq
+        self.live.pop(seq.seq_id, None)
+        if reason == "abort":
+            self.llm.abort(seq)
+        end = seq.finish_time or time.perf_counter()
+        ttft = seq.first_token_time - req.arrival if seq.first_token_time else None
+        tpot = (end - seq.first_token_time) / (seq.num_generated - 1) \
+            if seq.first_token_time and seq.num_generated > 1 else None
+        self.metrics.finished(reason, seq.num_prompt_tokens, seq.num_generated, ttft, tpot)

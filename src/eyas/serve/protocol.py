@@ -1,0 +1,193 @@
+"""The OpenAI request bodies eyas accepts (pydantic, strict: an unknown field or a wrong type is a 400), the
+errors it answers with, and the response and chunk bodies it sends."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from eyas.config import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused (or may retry): sent as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("authentication_error" if status == 401 else
+                             "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """A pydantic complaint, as a 400 naming the field: `top_k: Input should be a valid integer`."""
+    err = max(e.errors(), key=lambda err: len(err["loc"]))  # in a union, the member that got furthest
+    # loc names the field path, with the union member tried mixed in: ("prompt", "list[int]", 1) -> "prompt.1"
+    param = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _UNION_TAGS or "[" in str(p)))
+    param = param or None
+    if err["type"] == "extra_forbidden":
+        message = f"unknown field {param!r} (not supported by this server)"
+    elif err["type"] == "value_error":  # our own validators: the message already names field and value
+        message = str(err["ctx"]["error"])
+    elif err["type"] == "missing":
+        message = f"field {param!r} is required"
+    else:
+        got = err.get("input")
+        shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+        message = f"{param}: {err['msg']} (got {shown})"
+    return ApiError(400, message, param=param, code=err["type"])
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "TextPart"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints. top_k, min_p, ignore_eos and return_token_ids are vLLM's extensions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    user: str | None = None
+    response_format: dict | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n is {n}; this server returns one choice per request (n=1)")
+        return n
+
+    @field_validator("response_format")
+    @classmethod
+    def _no_structured_output(cls, fmt: dict | None) -> dict | None:
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise ValueError(f"response_format type {fmt.get('type')!r} is not supported yet (only 'text')")
+        return fmt
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: int | None) -> int | None:
+        if seed is not None and not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed is {seed}; expected a 64-bit integer")
+        return seed
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, max_tokens: int | None) -> int | None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens is {max_tokens}; expected a positive integer")
+        return max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams checks the values (temperature >= 0, 0 < top_p <= 1, ...); its message names the field."""
+        try:
+            return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                  min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
+                                  stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            first = str(e).split()[0]
+            raise ApiError(400, str(e), param=first if first in type(self).model_fields else None) from e
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None  # the newer name for max_tokens
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_completion(cls, max_tokens: int | None) -> int | None:
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_completion_tokens is {max_tokens}; expected a positive integer")
+        return max_tokens
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[Message]) -> list[Message]:
+        if not messages:
+            raise ValueError("messages is empty")
+        return messages
+
+
+# -- responses ----------------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def completion_body(rid: str, model: str, text: str, finish_reason: str, num_prompt: int,
+                    num_completion: int, token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(num_prompt, num_completion)}
+
+
+def chat_body(rid: str, model: str, text: str, finish_reason: str, num_prompt: int,
+              num_completion: int, token_ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage(num_prompt, num_completion)}

@@ -1,0 +1,376 @@
+"""`eyas serve` driven by the official openai client over real loopback HTTP: outputs equal `LLM.generate` token for
+token (plain and MTP-speculative), streaming reassembles, stop/seed behave, every bad input is a 4xx with an OpenAI
+error body, disconnects free KV blocks, and a concurrent load with disconnects leaves no 5xx and no leaked block."""
+
+import argparse
+import asyncio
+import json
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from test_checkpoint import add_mtp_weights
+from tiny import YARN, make_hf_checkpoint
+
+from eyas import LLM, SamplingParams
+from eyas.engine.llm import DEFAULT_MODEL
+from eyas.serve.app import build_app
+from eyas.serve.cli import add_cli
+
+KEY = "sk-test"
+NAME = "tiny"
+PROMPTS = ["def add(a, b):\n", "import os\n\nclass Foo:", "x"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a loop."}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random target with the shipped tokenizer (and its chat template) and an MTP layer."""
+    path = tmp_path_factory.mktemp("serve_ckpt")
+    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
+    add_mtp_weights(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return LLM(checkpoint)
+
+
+@contextmanager
+def running(llm, api_key=KEY):
+    """A real uvicorn server on a free loopback port, in a background thread."""
+    app = build_app(llm, NAME, api_key=api_key)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running(LLM(checkpoint, max_num_seqs=8)) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(max_tokens=12, **kw):
+    return dict(temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+
+
+def metrics(url) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_idle(llm, timeout=10.0):
+    deadline = time.time() + timeout
+    while llm.scheduler.has_work() or llm.allocator.num_used:
+        assert time.time() < deadline, f"engine still busy: {llm.allocator.num_used} blocks used"
+        time.sleep(0.02)
+
+
+# -- outputs ----------------------------------------------------------------------------------------------------
+
+def test_completion_greedy_equals_generate(client, reference):
+    expected = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, ref in zip(PROMPTS, expected):
+        r = client.completions.create(model=NAME, prompt=prompt, **greedy())
+        choice = r.choices[0]
+        assert choice.token_ids == ref.token_ids and choice.text == ref.text
+        assert choice.finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 12)
+        assert r.usage.total_tokens == len(ref.prompt_token_ids) + 12 and r.object == "text_completion"
+
+
+def test_token_id_prompt(client, reference):
+    ids = [5, 6, 7, 8]
+    ref = reference.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    r = client.completions.create(model=NAME, prompt=ids, **greedy(6))
+    assert r.choices[0].token_ids == ref.token_ids
+
+
+def test_chat_greedy_equals_generate(client, reference):
+    ref = reference.generate([CHAT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    r = client.chat.completions.create(model=NAME, messages=CHAT, **greedy(10))
+    assert r.choices[0].token_ids == ref.token_ids
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.object == "chat.completion"
+
+
+def test_streaming_reassembles_to_the_same_text(client):
+    full = client.completions.create(model=NAME, prompt=PROMPTS[0], **greedy(20))
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], stream=True,
+                                            stream_options={"include_usage": True}, **greedy(20)))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert sum((c.choices[0].token_ids for c in chunks if c.choices), []) == full.choices[0].token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+    full = client.chat.completions.create(model=NAME, messages=CHAT, **greedy(20))
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, stream=True, **greedy(20)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"model": NAME, "prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_string_cuts_text(client):
+    free = client.completions.create(model=NAME, prompt=PROMPTS[1], **greedy(24)).choices[0].text
+    stop = next(free[i:i + 2] for i in range(4, len(free) - 2) if free[i:i + 2].strip())
+    expected = free[:free.find(stop)]
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], stop=[stop, "never-seen"], **greedy(24))
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], stop=stop, stream=True, **greedy(24)))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_same_seed_same_text(client):
+    def sample(seed):
+        return client.completions.create(model=NAME, prompt="x", temperature=1.0, top_p=0.95, seed=seed,
+                                         max_tokens=12, extra_body={"ignore_eos": True, "top_k": 50}).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+# -- errors -----------------------------------------------------------------------------------------------------
+
+BAD = [  # (endpoint, body, param the error names, a word of the message)
+    ("completions", "{not json", None, "JSON"),
+    ("completions", "[1, 2]", None, "object"),
+    ("completions", {"model": NAME}, "prompt", "required"),
+    ("completions", {"model": NAME, "prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "unknown"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+    ("completions", {"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature", "number"),
+    ("completions", {"model": NAME, "prompt": "x", "stream": "yes"}, "stream", "boolean"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": -3}, "max_tokens", "-3"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens", "positive"),
+    ("completions", {"model": NAME, "prompt": "x", "max_tokens": 10**9}, "max_tokens", "context"),
+    ("completions", {"model": NAME, "prompt": "x = 1\n" * 200}, "prompt", "context"),
+    ("completions", {"model": NAME, "prompt": ""}, "prompt", "empty"),
+    ("completions", {"model": NAME, "prompt": [5, 99999]}, "prompt", "vocabulary"),
+    ("completions", {"model": NAME, "prompt": [5, "a"]}, "prompt.1", "integer"),
+    ("completions", {"model": NAME, "prompt": "x", "seed": 2**70}, "seed", "64-bit"),
+    ("completions", {"model": NAME, "prompt": "x", "temperature": -1}, "temperature", "temperature"),
+    ("completions", {"model": NAME, "prompt": "x", "top_p": 1.5}, "top_p", "top_p"),
+    ("completions", {"model": NAME, "prompt": "x", "top_k": -2}, "top_k", "top_k"),
+    ("completions", {"model": NAME, "prompt": "x", "min_p": 2}, "min_p", "min_p"),
+    ("completions", {"model": NAME, "prompt": "x", "stop": [""]}, "stop", "stop"),
+    ("completions", {"model": NAME, "prompt": "x", "n": 2}, "n", "n=1"),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, "model", "gpt-4"),
+    ("chat/completions", {"model": NAME, "messages": []}, "messages", "empty"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x = 1\n" * 200}]}, "messages",
+     "context"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, "messages.0.content", "required"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role",
+     "robot"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {"type": "json_object"}},
+     "response_format", "not supported yet"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens",
+     "positive"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,word", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_request_is_a_4xx_naming_the_problem(server, endpoint, body, param, word):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server[0]}/v1/{endpoint}", content=content,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and word in error["message"], error
+
+
+def test_unknown_route_and_method_have_error_bodies(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/embeddings", 404)):
+        r = httpx.request(method, server[0] + path, headers=headers)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_bad_request_through_the_client(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_api_key(server):
+    url = server[0]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=NAME, prompt="x", max_tokens=2)
+    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+
+
+# -- speculative ------------------------------------------------------------------------------------------------
+
+def test_mtp_speculative_greedy_equals_generate(checkpoint, reference):
+    expected = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2)
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        for prompt, ref in zip(PROMPTS, expected):
+            r = client.completions.create(model=NAME, prompt=prompt, **greedy(16))
+            assert r.choices[0].token_ids == ref.token_ids
+            chunks = list(client.completions.create(model=NAME, prompt=prompt, stream=True, **greedy(16)))
+            assert "".join(c.choices[0].text for c in chunks) == ref.text
+        m = metrics(url)
+    spec = llm.speculative.metrics
+    assert spec.num_verify_steps > 0
+    for prefix in ("eyas", "vllm"):
+        assert m[(f"{prefix}:spec_decode_num_drafts_total", ())] == spec.num_verify_steps
+        assert m[(f"{prefix}:spec_decode_num_draft_tokens_total", ())] == spec.num_drafted
+        assert m[(f"{prefix}:spec_decode_num_accepted_tokens_total", ())] == spec.num_accepted
+        per_pos = [m[(f"{prefix}:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(k)),))]
+                   for k in range(2)]
+        assert per_pos == (spec.accepted_per_position + [0, 0])[:2]
+
+
+# -- cancellation and load ---------------------------------------------------------------------------------------
+
+def test_disconnect_frees_kv_blocks_at_once(checkpoint):
+    llm = LLM(checkpoint)
+    with running(llm) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        stream = client.completions.create(model=NAME, prompt=PROMPTS[0], stream=True, **greedy(200))
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        assert llm.allocator.num_used > 0
+        stream.close()
+        start = time.time()
+        wait_idle(llm, timeout=2.0)
+        freed_after = time.time() - start
+        print(f"blocks freed {freed_after * 1000:.0f} ms after the disconnect")
+        m = metrics(url)
+    assert m[("eyas:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert freed_after < 2.0 and llm.allocator.num_used == 0
+
+
+def test_disconnect_while_waiting_for_a_full_response(checkpoint):
+    llm = LLM(checkpoint)
+    step = llm.step
+    llm.step = lambda: (time.sleep(0.01), step())[1]  # 200 tokens take 2 s; the client gives up after 0.3 s
+    with running(llm) as (url, _):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", timeout=0.3, headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": NAME, "prompt": "x", "max_tokens": 200, "ignore_eos": True})
+        wait_idle(llm, timeout=1.0)
+        m = metrics(url)
+    assert m[("eyas:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert m[("eyas:generation_tokens_total", ())] < 150
+
+
+def test_concurrent_streams_with_disconnects(checkpoint):
+    # 16 blocks of 16 tokens cannot hold 8 sequences of 40-120 tokens: some wait or are preempted, none refused
+    llm = LLM(checkpoint, max_num_seqs=8, num_blocks=16)
+    num_clients, statuses, done, dropped = 16, [], [], []
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        disconnect = i % 3 == 0
+        body = {"model": NAME, "prompt": "word " * (1 + 12 * (i % 5)), "stream": True, "temperature": 0.8,
+                "seed": i, "max_tokens": 120 if disconnect else 30 + 10 * (i % 4), "ignore_eos": True,
+                "return_token_ids": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            statuses.append(r.status_code)
+            events = []
+            async for line in r.aiter_lines():
+                if line:
+                    events.append(line)
+                if disconnect and len(events) == 3:
+                    dropped.append(i)
+                    return  # leaving the block closes the connection mid-stream
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == body["max_tokens"]
+        assert len(set(c["id"] for c in chunks)) == 1
+        done.append(i)
+
+    async def load(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=30) as http:
+            await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(num_clients))), timeout=40)
+
+    with running(llm) as (url, _):
+        asyncio.run(load(url))
+        wait_idle(llm)
+        m = metrics(url)
+    assert statuses == [200] * num_clients
+    assert len(dropped) == 6 and len(done) == 10
+    assert llm.allocator.num_used == 0 and llm.scheduler.num_preemptions > 0
+    finished = {reason: m[("eyas:request_success_total", (("finished_reason", reason),))]
+                for reason in ("stop", "length", "abort")}
+    assert finished == {"stop": 0, "length": 10, "abort": 6}
+    assert m[("eyas:time_to_first_token_seconds_count", ())] >= 10
+    assert m[("eyas:num_requests_running", ())] == 0 and m[("eyas:kv_cache_blocks_used", ())] == 0
+
+
+def test_metrics_count_requests(server, client):
+    before = metrics(server[0])
+    client.completions.create(model=NAME, prompt="x", **greedy(3))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="x", top_p=7)
+    after = metrics(server[0])
+    length = ("eyas:request_success_total", (("finished_reason", "length"),))
+    rejected = ("eyas:request_rejected_total", (("status", "400"),))
+    assert after[length] == before[length] + 1
+    assert after[rejected] == before.get(rejected, 0) + 1
+    assert after[("eyas:generation_tokens_total", ())] == before[("eyas:generation_tokens_total", ())] + 3
+
+
+def test_cli_serve_arguments():
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--port", "9001", "--api-key", "k", "--speculative-method", "mtp",
+                                      "--served-model-name", "m", "--max-num-seqs", "4"])
+    assert (args.port, args.api_key, args.speculative_method, args.served_model_name, args.max_num_seqs) == \
+        (9001, "k", "mtp", "m", 4)
