@@ -206,8 +206,14 @@ BAD = [  # (endpoint, body, param the error names, a word of the message)
     ("chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, "messages.0.content", "required"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role",
      "robot"),
-    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format", "not supported yet"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {"type": "xml"}},
+     "response_format", "xml"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format", "schema"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}}},
+     "response_format", "objectx"),
+    ("completions", {"model": NAME, "prompt": "x", "guided_regex": "[a-"}, "guided_regex", "regex"),
     ("chat/completions", {"model": NAME, "messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens",
      "positive"),
 ]
@@ -247,6 +253,28 @@ def test_api_key(server):
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=NAME, prompt="x", max_tokens=2)
     assert httpx.get(url + "/health").status_code == 200  # probes need no key
+
+
+# -- structured output ------------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def test_json_schema_response_format(client):
+    import jsonschema
+
+    r = client.chat.completions.create(
+        model=NAME, messages=CHAT, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = client.completions.create(model=NAME, prompt="x", max_tokens=16, extra_body={"guided_regex": "[0-9]{3}"})
+    assert r.choices[0].text.isdigit() and len(r.choices[0].text) == 3
+    with pytest.raises(openai.BadRequestError, match="objectx"):
+        client.chat.completions.create(model=NAME, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}})
 
 
 # -- speculative ------------------------------------------------------------------------------------------------

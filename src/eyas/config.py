@@ -277,8 +277,40 @@ class DeepseekV3Config:
 
 
 @dataclass(slots=True)
+class StructuredOutputParams:
+    """Constrained decoding: exactly one of a JSON schema, any JSON object, or a regular expression. Checked here
+    (an invalid schema or regex is a ValueError naming it); compiled per tokenizer by `eyas.engine.grammar`."""
+
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name, on in (("json_schema", self.json_schema is not None),
+                                       ("json_object", self.json_object), ("regex", self.regex is not None)) if on]
+        if len(given) != 1:
+            raise ValueError(f"structured_output sets {given or 'nothing'}; expected exactly one of json_schema, "
+                             "json_object, regex")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"structured_output json_schema is a {type(self.json_schema).__name__}; expected a "
+                             "JSON schema object (dict)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_output regex is {self.regex!r}; expected a non-empty string")
+        from eyas.engine.grammar import to_grammar
+
+        to_grammar(self)  # raises ValueError naming the problem
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity, for caching compiled grammars."""
+        schema = json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else None
+        return (schema, self.json_object, self.regex)
+
+
+@dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling, shaped like vLLM's. temperature 0 means greedy."""
+    """Per-request sampling, shaped like vLLM's. temperature 0 means greedy. `structured_output` constrains the
+    output to a JSON schema, any JSON object, or a regex (a dict is read as StructuredOutputParams fields)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -289,10 +321,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutputParams(**self.structured_output)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature is {self.temperature}; expected a finite number >= 0")
         if self.top_k < -1:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from eyas.checkpoint import load_model
 from eyas.config import SamplingParams, SpeculativeConfig
+from eyas.engine.grammar import GrammarCache, apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
 from eyas.engine.sampling import process_logits, sample
@@ -78,6 +79,7 @@ class LLM:
         self.eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars: GrammarCache | None = None  # built on the first structured-output request
         self.speculative = None
         if speculative_config is not None:
             self.draft = load_draft_for(speculative_config, self.model)
@@ -107,6 +109,12 @@ class LLM:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {self.model.config.vocab_size})")
         seq = Sequence(ids, params)
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output needs a tokenizer; this checkpoint has none")
+            if self.grammars is None:
+                self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            seq.grammar = self.grammars.matcher(params.structured_output)
         self.scheduler.add(seq)
         return seq
 
@@ -146,14 +154,24 @@ class LLM:
             params = [s.params for s in seqs]
             with torch.inference_mode():
                 logits = self.model.compute_logits(hidden[last_rows])
+                constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
+                if constrained:  # grammar mask before temperature and top-k/p, as in the speculative step
+                    bitmask = self.grammars.new_bitmask(len(seqs))
+                    for r in constrained:
+                        seqs[r].grammar.fill_mask(bitmask, r)
+                    logits = apply_bitmask(logits, bitmask)
                 tokens = sample(process_logits(logits, params), params, [s.generator for s in seqs]).tolist()
-            for i, token in zip(rows, tokens):
+            for i, seq, token in zip(rows, seqs, tokens):
                 new_tokens[i] = [token]
+                if seq.grammar is not None:
+                    seq.grammar.advance([token])
         return new_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        # under a grammar, EOS is allowed only where the structured output is complete: it ends even with ignore_eos
+        if (token in self.eos_token_ids and (not p.ignore_eos or seq.grammar is not None)) \
+                or token in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import time
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from eyas.config import SamplingParams
+
+if TYPE_CHECKING:
+    from eyas.engine.grammar import SequenceGrammar
 
 _ids = itertools.count()
 
@@ -36,6 +40,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None  # set when a stop string ended the sequence: the text before it
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.grammar: SequenceGrammar | None = None  # set by the engine when params.structured_output is given
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -3,7 +3,8 @@
   1. merge     each sequence's input = its uncomputed committed token(s) + the K drafts proposed last step
                (prefill rows: a prompt chunk, no drafts)
   2. verify    one target forward over the ragged batch -> hidden states and the draft's aux hidden states
-  3. mask      per-row sampling processing of the target logits at the K+1 verify positions
+  3. mask      per-row sampling processing of the target logits at the K+1 verify positions; a constrained
+               sequence first gets its grammar mask on each row (row j assumes drafts d1..dj were accepted)
   4. accept    the acceptance rule -> num_accepted in 0..K and one extra token (correction or bonus)
   5. rollback  the target KV of rejected drafts is dropped: num_computed stops after the last accepted draft
   6. propose   draft step 0 over every position whose next token is now known, with the target's fused aux
@@ -16,6 +17,13 @@ d11 rejected: num_accepted = 1, extra = the target's token x11. Commit [d10, x11
 9..10 (t9, d10), so num_computed = 11 and x11 (position 11) is computed next step. Draft step 0 runs on pairs
 (h9, d10) and (h10, x11) at positions 9 and 10; its last output proposes d12' for position 12; steps 1 and 2 run
 at positions 11 and 12 and propose d13', d14'.
+
+Structured output, same row: the matcher has accepted the committed tokens up to t9. Row j's mask is filled after
+advancing it through d10..d(9+j); had the grammar rejected d11, rows 2 and 3 would get no mask and the acceptance
+rule would see 1 usable draft (d11 cannot be accepted anyway). The matcher is rolled back to t9 and advanced by
+the committed [d10, x11]. Proposals are masked too: the matcher advances over d12', d13' while they are drafted
+and is rolled back to x11 afterwards, so every draft is grammatical. The greedy rule stays exact: each committed
+token is the argmax of the masked target row, as in plain decoding.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import nn
 
 from eyas.config import SpeculativeConfig
 from eyas.engine.acceptance import AcceptanceRule, VerifyRows
+from eyas.engine.grammar import apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
 from eyas.engine.sampling import process_logits
@@ -92,22 +101,27 @@ class SpeculativeDecoder:
             rows = [starts[i] + query_lens[i] - num_drafts[i] - 1 + j for i in sampling
                     for j in range(num_drafts[i] + 1)]
             row_params = [seqs[i].params for i in sampling for _ in range(num_drafts[i] + 1)]
-            flat = process_logits(self.target.compute_logits(hidden[rows]), row_params)
+            logits = self.target.compute_logits(hidden[rows])  # [sum of (num_drafts + 1), vocab]
+            logits, usable = self._grammar_mask(logits, [seqs[i] for i in sampling], [num_drafts[i] for i in sampling])
+            flat = process_logits(logits, row_params)
             logprobs = flat.new_full((len(sampling), k_max + 1, flat.shape[-1]), float("-inf"))
             draft_tokens = torch.zeros(len(sampling), max(k_max, 1), dtype=torch.long)
             offset = 0
             for r, i in enumerate(sampling):
-                logprobs[r, :num_drafts[i] + 1] = flat[offset:offset + num_drafts[i] + 1]
-                draft_tokens[r, :num_drafts[i]] = torch.tensor(seqs[i].draft_tokens, dtype=torch.long)
+                n = usable[r]  # the drafts the grammar allows (all of them when unconstrained)
+                logprobs[r, :n + 1] = flat[offset:offset + n + 1]
+                draft_tokens[r, :n] = torch.tensor(seqs[i].draft_tokens[:n], dtype=torch.long)
                 offset += num_drafts[i] + 1
             # 4. accept
             accepted, extra = self.accept(VerifyRows(
-                logprobs=logprobs, draft_tokens=draft_tokens, num_drafts=[num_drafts[i] for i in sampling],
+                logprobs=logprobs, draft_tokens=draft_tokens, num_drafts=usable,
                 params=[seqs[i].params for i in sampling], generators=[seqs[i].generator for i in sampling],
                 in_thinking=[self._in_thinking(seqs[i]) for i in sampling]))
             for r, i in enumerate(sampling):
                 num_accepted[i] = accepted[r]
                 new_tokens[i] = seqs[i].draft_tokens[:accepted[r]] + [extra[r]]
+                if seqs[i].grammar is not None:
+                    seqs[i].grammar.advance(new_tokens[i])
                 self._record(seqs[i], num_drafts[i], accepted[r])
 
         # 5. rollback: keep the target KV of committed tokens and accepted drafts only
@@ -151,10 +165,8 @@ class SpeculativeDecoder:
         if not active:
             return
         hidden_k = prenorm[last_rows[active]]
-        tokens_k = self.draft.greedy_tokens(hidden_k)
+        tokens_k = self._append_drafts(hidden_k, active, seqs, budgets)
         positions = [seqs[i].num_computed - 1 for i in active]  # position of each active sequence's last step-0 row
-        for i, t in zip(active, tokens_k.tolist()):
-            seqs[i].draft_tokens.append(t)
         for k in range(1, max(budgets)):
             keep = [j for j, i in enumerate(active) if budgets[i] > k]
             if not keep:
@@ -164,9 +176,50 @@ class SpeculativeDecoder:
             attn = self.runner.metadata([1] * len(active), [p + 1 for p in positions],
                                         [seqs[i].block_table for i in active])
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
-            tokens_k = self.draft.greedy_tokens(hidden_k)
-            for i, t in zip(active, tokens_k.tolist()):
-                seqs[i].draft_tokens.append(t)
+            tokens_k = self._append_drafts(hidden_k, active, seqs, budgets)
+        for seq in seqs:  # back to the committed state: drafts are verified next step
+            if seq.grammar is not None:
+                seq.grammar.rollback(len(seq.draft_tokens))
+
+    def _grammar_mask(self, logits: torch.Tensor, seqs: list[Sequence],
+                      num_drafts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Mask each constrained sequence's num_drafts + 1 consecutive verify rows of `logits` [rows, vocab]; return
+        the masked logits and, per sequence, the usable drafts (those before the first the grammar rejects)."""
+        usable = list(num_drafts)
+        constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
+        if not constrained:
+            return logits, usable
+        first_rows = [0]
+        for n in num_drafts[:-1]:
+            first_rows.append(first_rows[-1] + n + 1)
+        bitmask = seqs[constrained[0]].grammar.cache.new_bitmask(logits.shape[0])  # all allowed
+        for r in constrained:
+            usable[r] = seqs[r].grammar.verify_masks(seqs[r].draft_tokens, bitmask, first_rows[r])
+        return apply_bitmask(logits, bitmask), usable
+
+    def _append_drafts(self, hidden_k: torch.Tensor, active: list[int], seqs: list[Sequence],
+                       budgets: list[int]) -> torch.Tensor:
+        """The draft's greedy proposals [len(active)] from its pre-norm outputs hidden_k, appended to each active
+        sequence's drafts. A constrained sequence proposes the argmax over the tokens its grammar allows and its
+        matcher accepts the proposal (rolled back when proposing ends); it stops drafting (its budget is cut) at
+        the grammar's end or when the draft has no allowed token."""
+        tokens = self.draft.greedy_tokens(hidden_k)
+        constrained = [j for j, i in enumerate(active) if seqs[i].grammar is not None]
+        if constrained:
+            bitmask = seqs[active[constrained[0]]].grammar.cache.new_bitmask(len(constrained))
+            for r, j in enumerate(constrained):
+                seqs[active[j]].grammar.fill_mask(bitmask, r)
+            logits = apply_bitmask(self.draft.compute_logits(hidden_k[constrained]), bitmask)
+            tokens[constrained] = logits.argmax(-1)
+        for i, t in zip(active, tokens.tolist()):
+            seq = seqs[i]
+            if seq.grammar is not None and not seq.grammar.accept(t):
+                budgets[i] = len(seq.draft_tokens)
+                continue
+            seq.draft_tokens.append(t)
+            if seq.grammar is not None and seq.grammar.is_terminated:
+                budgets[i] = len(seq.draft_tokens)
+        return tokens
 
     def _record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from eyas.config import SamplingParams
+from eyas.config import SamplingParams, StructuredOutputParams
 
 
 class ApiError(Exception):
@@ -76,7 +76,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
-    response_format: dict | None = None
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    guided_regex: str | None = None  # vLLM's extension: the output matches this regular expression
 
     @field_validator("n")
     @classmethod
@@ -87,9 +88,18 @@ class _Sampling(_Strict):
 
     @field_validator("response_format")
     @classmethod
-    def _no_structured_output(cls, fmt: dict | None) -> dict | None:
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ValueError(f"response_format type {fmt.get('type')!r} is not supported yet (only 'text')")
+    def _response_format_shape(cls, fmt: dict | None) -> dict | None:
+        """The shape only; the schema itself is checked when it is compiled (sampling_params)."""
+        if fmt is None:
+            return fmt
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type is {kind!r}; expected 'text', 'json_object' or 'json_schema'")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema must be an object with a 'schema' object "
+                                 "({'name': ..., 'schema': {...}, 'strict': true})")
         return fmt
 
     @field_validator("seed")
@@ -106,13 +116,34 @@ class _Sampling(_Strict):
             raise ValueError(f"max_tokens is {max_tokens}; expected a positive integer")
         return max_tokens
 
+    def structured_output(self) -> StructuredOutputParams | None:
+        """response_format or guided_regex as a spec; an invalid schema or regex is a 400 naming it."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text" and self.guided_regex is not None:
+            raise ApiError(400, "response_format and guided_regex are both set; give one", param="guided_regex")
+        try:
+            if kind == "json_object":
+                return StructuredOutputParams(json_object=True)
+            if kind == "json_schema":
+                return StructuredOutputParams(json_schema=self.response_format["json_schema"]["schema"])
+            if self.guided_regex is not None:
+                return StructuredOutputParams(regex=self.guided_regex)
+        except ValueError as e:  # "structured_output json_schema is invalid: ..." -> named as the request names it
+            if kind == "json_schema":
+                name = self.response_format["json_schema"].get("name")
+                message = str(e).replace("structured_output json_schema", f"response_format json_schema {name!r}")
+                raise ApiError(400, message, param="response_format") from e
+            raise ApiError(400, str(e).replace("structured_output regex", "guided_regex"), param="guided_regex") from e
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams checks the values (temperature >= 0, 0 < top_p <= 1, ...); its message names the field."""
+        structured = self.structured_output()
         try:
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, structured_output=structured)
         except ValueError as e:
             first = str(e).split()[0]
             raise ApiError(400, str(e), param=first if first in type(self).model_fields else None) from e

@@ -1,0 +1,162 @@
+"""Structured output: per-sequence grammar state over xgrammar, and the token bitmask it yields.
+
+A constrained sequence carries a `SequenceGrammar` whose matcher has accepted exactly its committed generated
+tokens. Before a token is chosen, the matcher fills one bitmask row (bit t of the row: token t is allowed); the
+row turns disallowed logits to -inf before any other processing. End of sequence is allowed only where the grammar
+accepts an end: the stop tokens are the only ones the matcher lets through there, and once it has accepted one it
+is terminated (every later row allows the stop tokens only, so a token past the end is never garbage).
+
+Speculative decoding asks for K+1 rows at once; `verify_masks` walks the matcher through the drafts and back:
+
+    committed state S, drafts [d1, d2, d3]:
+      row 0 = mask(S)                  accept d1
+      row 1 = mask(S + d1)             accept d2 -> rejected by the grammar: usable drafts = 1, stop
+      rollback(1) -> S again           (rows 2, 3 are never read: the acceptance rule sees 1 draft)
+
+After the acceptance rule commits tokens, `advance` moves S forward by exactly those tokens.
+Compiled grammars are cached per spec (`GrammarCache`); matchers are cheap and one per sequence.
+
+JSON is generated compact, so no raw byte below 0x20 can belong in it; xgrammar 0.2.9 nonetheless lets them into
+strings that carry minLength/maxLength (its bounded-string rule excludes only quote, backslash, CR and LF), so for
+JSON specs every token with such a byte is masked out as well.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from eyas.config import StructuredOutputParams
+
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[15:50:59] /project/cpp/x.cc:5082: " on its messages
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
+def to_grammar(spec: StructuredOutputParams):
+    """The xgrammar Grammar of a spec (no tokenizer needed); an invalid schema or regex is a ValueError naming it.
+    JSON is generated compact (no free whitespace), which keeps small models from padding forever."""
+    xgr = _xgrammar()
+    try:
+        if spec.json_schema is not None:
+            return xgr.Grammar.from_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
+        if spec.json_object:  # any object: additional properties allowed
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return xgr.Grammar.from_regex(spec.regex)
+    except RuntimeError as e:
+        what = "json_schema" if spec.json_schema is not None else "regex"
+        reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else str(e))
+        raise ValueError(f"structured_output {what} is invalid: {reason}") from e
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[vocab] bool -> one bitmask row [ceil(vocab / 32)] int32 (the inverse of the unpacking in apply_bitmask)."""
+    words = -(-allowed.shape[0] // 32)
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[:allowed.shape[0]] = allowed.long()
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(-1)  # [words], 0 .. 2**32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set logits of disallowed tokens to -inf. logits [rows, vocab]; bitmask [rows, ceil(vocab / 32)] int32,
+    bit b of word w allows token 32 w + b (an all-ones row, -1, allows every token)."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]  # [rows, vocab]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+class GrammarCache:
+    """One tokenizer's xgrammar compiler; compiled grammars cached by spec."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiled: dict[tuple, object] = {}
+        stop = torch.zeros(vocab_size, dtype=torch.bool)
+        stop[self.stop_token_ids] = True
+        control = torch.tensor([any(c < 0x20 for c in b) for b in info.decoded_vocab[:vocab_size]])
+        self.stop_only = _pack(stop)  # the row past the end of the grammar
+        self.no_control = _pack(~control | stop)  # the extra mask of JSON specs
+
+    def new_bitmask(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(vocab / 32)] int32, every token allowed."""
+        return _xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def matcher(self, spec: StructuredOutputParams) -> SequenceGrammar:
+        key = spec.key
+        if key not in self.compiled:
+            self.compiled[key] = self.compiler.compile_grammar(to_grammar(spec))
+        json_spec = spec.json_schema is not None or spec.json_object
+        return SequenceGrammar(_xgrammar().GrammarMatcher(self.compiled[key]), self, json_spec)
+
+
+class SequenceGrammar:
+    """The grammar state of one sequence: its matcher has accepted the committed generated tokens."""
+
+    def __init__(self, matcher, cache: GrammarCache, no_control_bytes: bool) -> None:
+        self.matcher = matcher
+        self.cache = cache
+        self.no_control_bytes = no_control_bytes
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the structured output is complete."""
+        return self.matcher.is_terminated()
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed set of the next position into bitmask[row]."""
+        if self.matcher.is_terminated():
+            bitmask[row] = self.cache.stop_only
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.no_control_bytes:
+            bitmask[row] &= self.cache.no_control
+
+    def allowed_mask(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows at the next position."""
+        bitmask = self.cache.new_bitmask(1)
+        self.fill_mask(bitmask, 0)
+        return apply_bitmask(torch.zeros(1, self.cache.vocab_size), bitmask)[0] == 0
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token if the grammar allows it (never past a stop token); False leaves the state as is."""
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+
+    def advance(self, tokens: list[int]) -> int:
+        """Advance by the tokens in order, stopping at the first one the grammar rejects; returns how many it took."""
+        for n, t in enumerate(tokens):
+            if not self.accept(t):
+                return n
+        return len(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self.matcher.rollback(n)
+
+    def verify_masks(self, drafts: list[int], bitmask: torch.Tensor, first_row: int) -> int:
+        """Fill bitmask rows first_row + j (j = 0..usable) with the mask that holds once drafts[:j] are accepted;
+        return `usable`, the drafts before the first one the grammar rejects. The state is left unchanged."""
+        self.fill_mask(bitmask, first_row)
+        usable = 0
+        for d in drafts:
+            allowed = (int(bitmask[first_row + usable, d // 32]) >> (d % 32)) & 1  # by the whole row mask
+            if not allowed or not self.accept(d):
+                break
+            usable += 1
+            self.fill_mask(bitmask, first_row + usable)
+        self.rollback(usable)
+        return usable

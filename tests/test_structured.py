@@ -1,0 +1,194 @@
+"""Structured output: every constrained output parses and validates, speculation still helps under a grammar, and
+greedy constrained speculative output equals greedy constrained plain output token for token."""
+
+import json
+import re
+import shutil
+
+import jsonschema
+import pytest
+from test_checkpoint import add_mtp_weights
+from tiny import YARN, make_hf_checkpoint
+from transformers import AutoTokenizer
+
+from eyas import LLM, SamplingParams
+from eyas.config import StructuredOutputParams
+from eyas.engine.grammar import GrammarCache
+from eyas.engine.llm import DEFAULT_MODEL
+
+shipped = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").is_file(), reason="no shipped model")
+
+# bounded (string lengths, integer ranges, array sizes) so every output can end within max_tokens
+SCHEMAS = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]}}, "required": ["name", "age", "role"]},
+    "item": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "in_stock": {"type": "boolean"}}, "required": ["id", "tags", "in_stock"]},
+    "point": {"type": "object", "properties": {
+        "at": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -100, "maximum": 100},
+                                                "y": {"type": "integer", "minimum": -100, "maximum": 100}},
+               "required": ["x", "y"]},
+        "label": {"enum": ["start", "end", "via"]}}, "required": ["at", "label"]},
+}
+PROMPTS = ["Describe a user as JSON:", "def add(a, b):\n", "The config is", "import json\n\ndata = ",
+           "Q: what is in stock?\nA:", "x", "Once upon a time", "# settings\n", "{", "The answer:"]
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+
+
+def spec(name: str) -> StructuredOutputParams:
+    return StructuredOutputParams(json_schema=SCHEMAS[name])
+
+
+# -- the spec and the matcher ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,word", [
+    ({"json_schema": {"type": "objectx"}}, "objectx"),
+    ({"json_schema": {"type": "object", "properties": 5}}, "properties"),
+    ({"json_schema": {"type": "integer", "minimum": 5, "maximum": 1}}, "minimum"),
+    ({"json_schema": [1]}, "dict"),
+    ({"regex": "[a-"}, "regex"),
+    ({}, "exactly one"),
+    ({"regex": "a", "json_object": True}, "exactly one"),
+])
+def test_invalid_spec_is_a_value_error_naming_it(fields, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(structured_output=fields)
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    return tok, GrammarCache(tok, 8192, {1})
+
+
+def test_verify_masks_stop_at_the_first_rejected_draft_and_restore_the_state(grammars):
+    tok, cache = grammars
+    g = cache.matcher(StructuredOutputParams(regex="[0-9]{3}"))
+    one, two, x = (tok.encode(c, add_special_tokens=False)[0] for c in "12x")
+    before = g.allowed_mask()
+    assert before[one] and before[two] and not before[x] and not before[1]  # EOS only where the grammar ends
+    bitmask = cache.new_bitmask(4)
+    # drafts [1, 2, x]: row 0 = mask(), row 1 = mask after "1", row 2 = mask after "12"; x is rejected -> 2 usable
+    assert g.verify_masks([one, two, x], bitmask, 0) == 2
+    assert (bitmask[3] == -1).all()  # the row after the rejected draft is left unmasked (never read)
+    assert (g.allowed_mask() == before).all()  # rolled back to the committed state
+    assert g.advance([one, two, two]) == 3
+    assert g.allowed_mask().nonzero().flatten().tolist() == [1]  # complete: EOS only
+    assert g.advance([1]) == 1 and g.is_terminated
+    assert g.allowed_mask().nonzero().flatten().tolist() == [1]  # past the end: still EOS only, no crash
+    g.rollback(2)
+    assert not g.is_terminated and g.allowed_mask()[two]
+
+
+def test_json_strings_never_take_raw_control_bytes(grammars):
+    tok, cache = grammars
+    g = cache.matcher(StructuredOutputParams(json_schema={"type": "string", "maxLength": 8}))
+    quote, control = tok.encode('"', add_special_tokens=False)[0], tok.convert_tokens_to_ids("ĝ")  # byte 0x1d
+    assert g.advance([quote]) == 1
+    allowed = g.allowed_mask()
+    assert allowed[tok.encode("a", add_special_tokens=False)[0]] and not allowed[control]
+    assert g.matcher.accept_token(control)  # xgrammar alone would take it (invalid JSON): the mask is ours
+
+
+# -- end to end --------------------------------------------------------------------------------------------------
+
+def check(name: str, text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+@shipped
+def test_fifty_json_schema_requests_parse_validate_and_still_speculate():
+    llm = LLM(max_num_seqs=16, speculative_method="mtp", num_speculative_tokens=3)
+    names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(50)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(50)]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=128, structured_output=spec(n))
+              for i, n in enumerate(names)]
+    outs = llm.generate(prompts, params)
+    for name, out in zip(names, outs):
+        assert out.finish_reason == "stop", out.text
+        check(name, out.text)
+    # the first 10 requests again without the grammar (unconstrained text runs to max_tokens: keep it short)
+    free = llm.generate(prompts[:10], [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=64)
+                                       for p in params[:10]])
+    print(f"\n50/50 parse and validate; acceptance length (K=3) constrained {al(outs):.3f} over 50, "
+          f"{al(outs[:10]):.3f} over the first 10; the first 10 unconstrained {al(free):.3f}")
+    assert al(outs) > 1.0
+    assert llm.allocator.num_used == 0
+
+
+def al(outs) -> float:
+    return 1 + sum(o.num_accepted for o in outs) / sum(o.num_verify_steps for o in outs)
+
+
+@shipped
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_constrained_speculative_equals_plain_shipped(k):
+    plain = LLM(max_num_seqs=8)
+    specd = LLM(max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=k)
+    specs = [spec(n) for n in SCHEMAS] + [StructuredOutputParams(regex=REGEX), StructuredOutputParams(json_object=True)]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_output=s) for s in specs]
+    prompts = PROMPTS[:len(params)]
+    for a, b in zip(plain.generate(prompts, params), specd.generate(prompts, params)):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+    assert specd.speculative.metrics.acceptance_length > 1.0
+
+
+@shipped
+def test_regex_output_matches():
+    llm = LLM(max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.7, seed=3, max_tokens=32,
+                                                structured_output=StructuredOutputParams(regex=REGEX)))
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
+
+
+@pytest.fixture(scope="module")
+def random_target(tmp_path_factory):
+    """A random target (mostly rejected drafts) with the shipped tokenizer and an MTP layer."""
+    path = tmp_path_factory.mktemp("structured_ckpt")
+    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
+    add_mtp_weights(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_constrained_speculative_equals_plain_random_target(random_target, k):
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_output=spec(n)) for n in SCHEMAS]
+    params.append(SamplingParams(temperature=0, max_tokens=48, structured_output=StructuredOutputParams(regex=REGEX)))
+    prompts = PROMPTS[:len(params)]
+    plain = LLM(random_target, max_num_seqs=4, block_size=4, max_num_batched_tokens=11).generate(prompts, params)
+    llm = LLM(random_target, max_num_seqs=4, block_size=4, max_num_batched_tokens=11, speculative_method="mtp",
+              num_speculative_tokens=k)
+    for a, b, p in zip(plain, llm.generate(prompts, params), params):
+        assert b.token_ids == a.token_ids
+        if p.structured_output.json_schema is not None and a.finish_reason == "stop":
+            jsonschema.validate(json.loads(a.text), p.structured_output.json_schema)
+    assert llm.allocator.num_used == 0
+
+
+def test_ungrammatical_drafts_are_cut_and_output_unchanged(random_target):
+    """Drafts the grammar rejects (here: overwritten with BOS every other step) shrink the usable drafts; the
+    committed output and the KV bookkeeping are as if they had been rejected. ignore_eos does not outlive the
+    grammar: the request stops where the structured output is complete."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, structured_output=spec("person"))
+    kw = dict(max_num_seqs=4, block_size=4, max_num_batched_tokens=11)
+    plain = LLM(random_target, **kw).generate([PROMPTS[0]], params)[0]
+    llm = LLM(random_target, speculative_method="mtp", num_speculative_tokens=3, **kw)
+    seq = llm.add_request(PROMPTS[0], params)
+    assert not seq.grammar.allowed_mask()[0]
+    step = 0
+    while llm.scheduler.has_work():
+        llm.step()
+        step += 1
+        if seq.draft_tokens and step % 2:
+            seq.draft_tokens = [0] * len(seq.draft_tokens)
+    out = llm.output(seq)
+    assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason == "stop"
+    check("person", out.text)
+    assert llm.allocator.num_used == 0
