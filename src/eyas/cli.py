@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
+    from eyas.bench import add_cli as add_bench
     from eyas.eval.acceptance import add_cli as add_eval
     from eyas.export import add_cli as add_export
     from eyas.inspect import add_cli as add_inspect
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     add_inspect(sub)
     add_serve(sub)
+    add_bench(sub)
     return parser
 
 

@@ -1,0 +1,439 @@
+"""`eyas bench serve`: load an OpenAI-compatible server with streaming requests and report latency and throughput,
+like `vllm bench serve`.
+
+    eyas bench serve --speculative-method mtp --num-speculative-tokens 3 --concurrency 1 4 16
+    eyas bench serve --base-url http://127.0.0.1:8000 --dataset prompts.jsonl --request-rate 8
+
+Without --base-url it serves --model itself, in this process, on a free loopback port: once plain and, with a
+--speculative-method, once speculative, one server at a time so the two never share the CPU. The load runs in this
+process too, so on CPU the client's Python competes with the engine thread for the GIL; both servers pay that cost
+alike. Every request sends `ignore_eos` and `max_tokens`, so every output has the length the load asked for.
+
+Per request, from the SSE stream (token counts from `return_token_ids`, so a chunk carrying several accepted
+speculative tokens counts them all):
+    TTFT  send -> first chunk with a token
+    TPOT  (E2E - TTFT) / (output tokens - 1), the mean time per token after the first
+    E2E   send -> last byte
+Acceptance length is read from the server's /metrics speculative counters (vLLM's names), before and after a run:
+    AL = 1 + delta(accepted tokens) / delta(drafts)      # tokens each verify step of one sequence yields
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eyas.engine.llm import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    import httpx
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    endpoint: str  # "completions" | "chat/completions"
+    prompt: list[int] | str | list[dict]  # token ids or text (completions), messages (chat)
+    prompt_len: int  # tokens, when known before sending (random dataset); -1 otherwise
+    output_len: int  # max_tokens, sent with ignore_eos: the exact number of tokens expected
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int
+    expected_output_len: int
+    output_len: int = 0
+    ttft: float | None = None  # seconds
+    tpot: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between token-carrying chunks
+    status: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+# -- the load -------------------------------------------------------------------------------------------------------
+
+def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    special_ids: set[int], seed: int) -> list[BenchRequest]:
+    """Token-id prompts of input_len * [1 - r, 1 + r] tokens, outputs of output_len * [1 - r, 1 + r] tokens."""
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in special_ids]
+
+    def around(n: int) -> int:
+        return max(1, rng.randint(math.floor(n * (1 - range_ratio)), math.ceil(n * (1 + range_ratio))))
+
+    out = []
+    for _ in range(num):
+        n = around(input_len)
+        out.append(BenchRequest("completions", [rng.choice(allowed) for _ in range(n)], n, around(output_len)))
+    return out
+
+
+def file_requests(path: Path, num: int | None, output_len: int) -> list[BenchRequest]:
+    """JSONL records with a `prompt` string (/v1/completions) or chat `messages` (/v1/chat/completions),
+    repeated in order up to `num`."""
+    from eyas.cli import _read_prompt_file
+
+    prompts = _read_prompt_file(path)
+    num = num or len(prompts)
+    return [BenchRequest("completions" if isinstance(p, str) else "chat/completions", p, -1, output_len)
+            for p in (prompts[i % len(prompts)] for i in range(num))]
+
+
+async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperature: float) -> RequestResult:
+    """One streaming request; its timings come from the SSE chunks as they arrive."""
+    body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+    body["messages" if req.endpoint == "chat/completions" else "prompt"] = req.prompt
+    result = RequestResult(req.prompt_len, req.output_len)
+    counted = 0  # tokens seen in the chunks, for a server that sends no usage
+    start = last = time.perf_counter()
+    try:
+        async with http.stream("POST", f"/v1/{req.endpoint}", json=body) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = (await r.aread()).decode(errors="replace")[:500]
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:500]
+                    return result
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                    if req.prompt_len < 0:
+                        result.prompt_len = chunk["usage"]["prompt_tokens"]
+                choices = chunk.get("choices") or []
+                n = sum(len(c.get("token_ids") or []) for c in choices)
+                counted += n
+                # a server without return_token_ids: a chunk with text still marks a step's tokens arriving
+                if n == 0 and not any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices):
+                    continue
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+    except Exception as e:  # a dropped connection or a malformed chunk: the request failed, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_len = result.output_len or counted
+    if result.output_len > 1 and result.ttft is not None:
+        result.tpot = (result.e2e - result.ttft) / (result.output_len - 1)
+    if result.output_len != req.output_len:
+        result.error = f"expected {req.output_len} output tokens, got {result.output_len}"
+    return result
+
+
+async def run_load(base_url: str, model: str, requests: list[BenchRequest], concurrency: int, request_rate: float,
+                   temperature: float, api_key: str | None, seed: int, timeout: float,
+                   desc: str) -> tuple[list[RequestResult], float]:
+    """Send `requests` with at most `concurrency` in flight, arriving as a Poisson process of `request_rate`
+    per second (inf: all at once). Returns the results in request order and the wall time of the run."""
+    import httpx
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, leave=False)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as http:
+        async def one(req: BenchRequest) -> RequestResult:
+            async with limit:
+                result = await send(http, model, req, temperature)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for i, req in enumerate(requests):
+            if i and math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+# -- the server's counters ------------------------------------------------------------------------------------------
+
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def spec_counters(base_url: str) -> dict[str, float] | None:
+    """The speculative counters from /metrics, summed over label sets; None when the server has none."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        for key, metric in SPEC_COUNTERS.items():
+            if name == metric:
+                totals[key] = totals.get(key, 0.0) + float(value)
+    return totals if len(totals) == len(SPEC_COUNTERS) else None
+
+
+def acceptance(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    if delta["drafts"] <= 0:
+        return None
+    return {"acceptance_length": 1 + delta["accepted"] / delta["drafts"],
+            "acceptance_rate": delta["accepted"] / delta["draft_tokens"] if delta["draft_tokens"] else 0.0,
+            "num_drafts": int(delta["drafts"]), "num_draft_tokens": int(delta["draft_tokens"]),
+            "num_accepted_tokens": int(delta["accepted"])}
+
+
+# -- statistics -----------------------------------------------------------------------------------------------------
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles in milliseconds (linear interpolation, so p50 <= p90 <= p99)."""
+    import numpy as np
+
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    ms = np.asarray(values) * 1000
+    return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
+
+
+def run_report(server: str, concurrency: int, results: list[RequestResult], duration: float,
+               spec: dict | None) -> dict:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_len for r in ok)
+    return {
+        "server": server, "concurrency": concurrency, "num_requests": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": output_tokens,
+        "ttft_ms": summarize([r.ttft for r in ok]), "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": summarize([x for r in ok for x in r.itl]), "e2e_ms": summarize([r.e2e for r in ok]),
+        "acceptance_length": spec["acceptance_length"] if spec else None, "speculative": spec,
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results],
+    }
+
+
+def comparison(runs: list[dict]) -> list[dict]:
+    """Speculative against plain at each concurrency: TPOT ratio (< 1 is faster) and throughput ratio (> 1)."""
+    by = {(r["server"], r["concurrency"]): r for r in runs}
+    out = []
+    for (server, c), spec in by.items():
+        plain = by.get(("plain", c))
+        if server != "speculative" or plain is None:
+            continue
+        ratio = (spec["tpot_ms"]["mean"] / plain["tpot_ms"]["mean"]
+                 if spec["tpot_ms"]["mean"] and plain["tpot_ms"]["mean"] else None)
+        out.append({"concurrency": c, "tpot_ratio": ratio,
+                    "throughput_ratio": spec["output_throughput"] / plain["output_throughput"]
+                    if plain["output_throughput"] else None,
+                    "acceptance_length": spec["acceptance_length"]})
+    return out
+
+
+def print_run(run: dict, file=sys.stdout) -> None:
+    def row(name: str, s: dict) -> str:
+        cells = "  ".join(f"{s[k]:9.2f}" if s[k] is not None else f"{'-':>9}" for k in ("mean", "p50", "p90", "p99"))
+        return f"  {name:<9}{cells}"
+
+    al = f", acceptance length {run['acceptance_length']:.2f}" if run["acceptance_length"] else ""
+    print(f"== {run['server']}, concurrency {run['concurrency']}: {run['completed']}/{run['num_requests']} ok in "
+          f"{run['duration_s']:.2f} s, {run['request_throughput']:.2f} req/s, "
+          f"{run['output_throughput']:.1f} output tok/s{al}", file=file)
+    print(f"  {'ms':<9}{'mean':>9}  {'p50':>9}  {'p90':>9}  {'p99':>9}", file=file)
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+        print(row(name, run[key]), file=file)
+    for error in run["errors"]:
+        print(f"  error: {error}", file=file)
+
+
+def print_comparison(rows: list[dict], file=sys.stdout) -> None:
+    if not rows:
+        return
+    print("== speculative vs plain", file=file)
+    print(f"  {'concurrency':>11}  {'TPOT spec/plain':>15}  {'tok/s spec/plain':>16}  {'accept len':>10}", file=file)
+    for r in rows:
+        tpot = f"{r['tpot_ratio']:.3f}" if r["tpot_ratio"] else "-"
+        tput = f"{r['throughput_ratio']:.3f}" if r["throughput_ratio"] else "-"
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        print(f"  {r['concurrency']:>11}  {tpot:>15}  {tput:>16}  {al:>10}", file=file)
+
+
+# -- servers --------------------------------------------------------------------------------------------------------
+
+@contextmanager
+def serve_in_thread(llm, model_name: str) -> Iterator[str]:
+    """`eyas serve` for `llm` on a free loopback port, in a background thread; yields its base URL."""
+    import uvicorn
+
+    from eyas.serve.app import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="eyas-bench-server", daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the benchmark server on port {port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def bench_servers(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
+    """(label, base URL, model name) for each server to load, started and stopped in turn."""
+    if args.base_url:
+        yield "server", args.base_url.rstrip("/"), args.served_model_name or _remote_model(args)
+        return
+    from eyas.cli import set_threads, speculative_config
+    from eyas.engine.llm import LLM
+
+    set_threads(args.threads, args.device)
+    spec = speculative_config(args)
+    name = args.served_model_name or Path(args.model).name
+    for label, config in (("plain", None), ("speculative", spec)):
+        if label == "speculative" and config is None:
+            continue
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
+                  speculative_config=config)
+        with serve_in_thread(llm, name) as url:
+            yield label, url, name
+        del llm
+
+
+def _remote_model(args: argparse.Namespace) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    r = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset != "random":
+        return file_requests(Path(args.dataset), args.num_prompts, args.output_len)
+    from eyas.engine.llm import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is not None:
+        vocab, special = len(tokenizer), set(tokenizer.all_special_ids)
+    else:
+        vocab, special = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"], set()
+    return random_requests(args.num_prompts or 100, args.input_len, args.output_len, args.range_ratio, vocab,
+                           special, args.seed)
+
+
+def bench_serve(args: argparse.Namespace) -> dict:
+    """Run every (server, concurrency) and return the report; prints each run's table as it finishes."""
+    requests = load_requests(args)
+    warmup = [BenchRequest(r.endpoint, r.prompt, r.prompt_len, min(r.output_len, 8)) for r in requests[:2]]
+    runs = []
+    for label, url, model in bench_servers(args):
+        # the first requests pay one-off costs (allocations, lazy imports); keep them out of the figures
+        asyncio.run(run_load(url, model, warmup, len(warmup), math.inf, args.temperature, args.api_key, args.seed,
+                             args.request_timeout, f"{label} warmup"))
+        for c in args.concurrency:
+            before = spec_counters(url)
+            results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.temperature,
+                                                     args.api_key, args.seed, args.request_timeout,
+                                                     f"{label} c={c}"))
+            run = run_report(label, c, results, duration, acceptance(before, spec_counters(url)))
+            print_run(run)
+            runs.append(run)
+    rows = comparison(runs)
+    print_comparison(rows)
+    # strict JSON: paths and an infinite request rate as strings
+    config = {k: str(v) if isinstance(v, Path) or (isinstance(v, float) and not math.isfinite(v)) else v
+              for k, v in vars(args).items() if k != "func"}
+    return {"config": config, "runs": runs, "comparison": rows}
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    report = bench_serve(args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if all(r["failed"] == 0 for r in report["runs"]) else 1
+
+
+def add_cli(subparsers) -> None:
+    from eyas.cli import add_speculative_args
+
+    bench = subparsers.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server and report TTFT, TPOT, throughput",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint to serve (and whose "
+                   "tokenizer draws random prompts); default: the bundled tiny DeepSeek-V3")
+    p.add_argument("--base-url", help="load this running server instead of starting one (e.g. "
+                   "http://127.0.0.1:8000)")
+    p.add_argument("--served-model-name", help="the `model` sent with each request (default: the directory name, "
+                   "or the first of --base-url's /v1/models)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (with --base-url)")
+    p.add_argument("--dataset", default="random", help="'random' (token-id prompts) or a JSONL file of "
+                   "{\"prompt\": ...} or {\"messages\": [...]} records")
+    p.add_argument("--num-prompts", type=int, help="requests per run (default: 100 random, or the file's records)")
+    p.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths are drawn from "
+                   "len * [1 - r, 1 + r]")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1], help="requests in flight at most; one run "
+                   "per value")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default "
+                   "inf: all at once, limited by --concurrency)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the arrival times")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write the whole report (every request too) here")
+    s = p.add_argument_group("the servers started without --base-url")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    s.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU)")
+    add_speculative_args(p)
+    p.set_defaults(func=_bench_serve)

@@ -1,0 +1,94 @@
+"""`eyas bench serve` run in-process against a tiny random target with an MTP layer: every request completes with
+the length it asked for, the figures are well-formed, and the speculative server's acceptance length is read from
+its /metrics counters."""
+
+import argparse
+import json
+import math
+
+import pytest
+from test_serve import KEY, checkpoint, running  # noqa: F401  (checkpoint: the random target + MTP layer fixture)
+
+from eyas import LLM
+from eyas.bench import SPEC_COUNTERS, acceptance, add_cli, bench_serve, summarize
+
+STATS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "serve", *argv])
+
+
+def check_run(run: dict) -> None:
+    assert run["failed"] == 0 and run["completed"] == run["num_requests"], run["errors"]
+    for r in run["requests"]:
+        assert r["status"] == 200 and r["error"] is None
+        assert r["output_len"] == r["expected_output_len"]
+        assert 0 < r["ttft"] <= r["e2e"]
+    assert run["total_output_tokens"] == sum(r["expected_output_len"] for r in run["requests"])
+    assert run["request_throughput"] > 0 and run["output_throughput"] > 0
+    for key in STATS:
+        s = run[key]
+        assert set(s) == {"mean", "p50", "p90", "p99"}
+        assert 0 <= s["p50"] <= s["p90"] <= s["p99"], (key, s)
+
+
+def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
+    out = tmp_path / "bench.json"
+    args = parse("--model", str(checkpoint), "--num-prompts", "6", "--input-len", "16", "--output-len", "12",
+                 "--range-ratio", "0.5", "--concurrency", "1", "3", "--speculative-method", "mtp",
+                 "--num-speculative-tokens", "2", "--max-num-seqs", "4", "--json", str(out))
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert [(r["server"], r["concurrency"]) for r in report["runs"]] == \
+        [("plain", 1), ("plain", 3), ("speculative", 1), ("speculative", 3)]
+    for run in report["runs"]:
+        check_run(run)
+        lens = [r["expected_output_len"] for r in run["requests"]]
+        assert len(lens) == 6 and all(6 <= n <= 18 for n in lens) and len(set(lens)) > 1  # 12 * [0.5, 1.5]
+        assert all(8 <= r["prompt_len"] <= 24 for r in run["requests"])
+        if run["server"] == "plain":
+            assert run["acceptance_length"] is None and run["speculative"] is None
+        else:
+            spec = run["speculative"]
+            assert 1 <= run["acceptance_length"] <= 3  # 1 + accepted / drafts, K = 2
+            # K drafts per verify step, fewer near the end of a request
+            assert 0 < spec["num_drafts"] <= spec["num_draft_tokens"] <= 2 * spec["num_drafts"]
+            assert run["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert [r["concurrency"] for r in report["comparison"]] == [1, 3]
+    for row in report["comparison"]:
+        assert row["tpot_ratio"] > 0 and row["throughput_ratio"] > 0 and row["acceptance_length"] >= 1
+    assert report["config"]["speculative_method"] == "mtp" and report["config"]["request_rate"] == "inf"
+
+
+def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkpoint, tmp_path):  # noqa: F811
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" +
+                    json.dumps({"messages": [{"role": "user", "content": "Write a loop."}]}) + "\n")
+    with running(LLM(checkpoint, max_num_seqs=4)) as (url, _):
+        args = parse("--base-url", url, "--api-key", KEY, "--model", str(checkpoint), "--dataset", str(data),
+                     "--num-prompts", "4", "--output-len", "5", "--concurrency", "2", "--request-rate", "40")
+        report = bench_serve(args)
+    [run] = report["runs"]
+    check_run(run)
+    assert run["server"] == "server" and report["comparison"] == [] and run["acceptance_length"] is None
+    assert report["config"]["served_model_name"] is None  # found in /v1/models
+    assert all(r["prompt_len"] > 0 and r["output_len"] == 5 for r in run["requests"])
+
+
+def test_acceptance_length_from_counter_deltas():
+    before = dict.fromkeys(SPEC_COUNTERS, 10.0)
+    after = {"drafts": 14.0, "draft_tokens": 22.0, "accepted": 16.0}  # 4 verify steps, 12 drafted, 6 accepted
+    a = acceptance(before, after)
+    assert a["acceptance_length"] == 2.5 and a["acceptance_rate"] == 0.5 and a["num_drafts"] == 4
+    assert acceptance(before, before) is None and acceptance(None, after) is None
+
+
+def test_summarize_is_in_milliseconds_and_ordered():
+    s = summarize([0.001 * i for i in range(1, 101)])
+    assert s["mean"] == pytest.approx(50.5) and s["p50"] == pytest.approx(50.5)
+    assert s["p50"] <= s["p90"] <= s["p99"] <= 100
+    assert summarize([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert math.isinf(parse().request_rate) and parse().concurrency == [1]
