@@ -135,3 +135,19 @@ def test_two_process_data_parallel_equals_one_process(setup):
     for a, b in zip(one, two):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["loss_per_step"] == pytest.approx(b["loss_per_step"], rel=1e-4)
+
+
+def test_frozen_lm_head_stays_the_targets(setup):
+    import torch
+    from safetensors.torch import load_file
+
+    from eyas import load_model
+
+    cfg = config(setup, "frozen", max_steps=3, draft_vocab_size=512, freeze_lm_head=True)
+    train(cfg)
+    draft = load_file(setup[0] / "frozen" / "draft" / "model.safetensors")
+    target = load_model(setup[1])
+    rows = torch.arange(512) + draft["d2t"]
+    assert torch.equal(draft["lm_head.weight"].float(), target.lm_head.weight[rows])
+    log = read_log(setup[0] / "frozen" / "train_log.jsonl")
+    assert len(log) == 3 and log[-1]["loss"] > 0

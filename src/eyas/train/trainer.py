@@ -42,6 +42,7 @@ class TrainConfig:
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: str = "hidden_states"
     intermediate_size: int = 0  # 0: the target's dense intermediate size
+    freeze_lm_head: bool = False  # keep the target's lm_head rows as they are (fewer trained weights, faster)
     ttt_steps: int = 3
     loss_decay: float = 0.9
     lr: float = 1e-4
@@ -205,7 +206,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
         d2t, _ = calibrate_vocab(_examples_for_vocab(examples), target.config.vocab_size, draft_vocab)
     draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size)
     draft = init_draft(target, draft_config, d2t, seed=cfg.seed)
-    params = [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
+    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head else ("embed_tokens",)
+    params = [p for name, p in draft.named_parameters() if not name.startswith(frozen)]
+    if cfg.freeze_lm_head:
+        draft.lm_head.requires_grad_(False)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
     step = 0
@@ -369,6 +373,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"], default="hidden_states",
                    help="how --aux-layer-ids are numbered (layer_output: Model Optimizer's, one lower)")
     p.add_argument("--intermediate-size", type=int, default=0, help="draft MLP width (0: the target's dense one)")
+    p.add_argument("--freeze-lm-head", action="store_true", help="keep the lm_head at the target's rows (as Model "
+                   "Optimizer does by default): fewer trained weights, faster steps")
     p.add_argument("--ttt-steps", type=int, default=3, help="train-time-test steps (draft runs on its outputs)")
     p.add_argument("--loss-decay", type=float, default=0.9, help="weight of TTT step k is decay^k")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -387,7 +393,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(target=args.target, out=args.out, data=args.data, hidden_states=args.hidden_states,
                       draft_arch=args.draft_arch, draft_vocab_size=args.draft_vocab_size, vocab_file=args.vocab_file,
                       aux_layer_ids=args.aux_layer_ids, aux_layer_convention=args.aux_layer_convention,
-                      intermediate_size=args.intermediate_size, ttt_steps=args.ttt_steps,
+                      intermediate_size=args.intermediate_size, freeze_lm_head=args.freeze_lm_head,
+                      ttt_steps=args.ttt_steps,
                       loss_decay=args.loss_decay, lr=args.lr, warmup_steps=args.warmup_steps,
                       max_steps=args.max_steps, batch_size=args.batch_size, max_length=args.max_length,
                       grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed)
