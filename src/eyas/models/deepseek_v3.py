@@ -120,11 +120,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(x)
-        # every path adds expert outputs in ascending expert order, so a token's result does not depend on
-        # which path ran it (decode, verify and prefill rows compute the same numbers)
-        if x.shape[0] * expert_ids.shape[1] >= len(self.experts):
-            out = self._all_experts(x, expert_ids, weights)
-        elif x.shape[0] == 1:
+        # both paths add expert outputs in ascending expert order: the summation order does not depend on the path
+        # (the last bits still can: CPU matmuls round differently for different row counts)
+        if x.shape[0] == 1:
             out = self._one_token(x, expert_ids, weights)
         else:
             out = self._grouped(x, expert_ids, weights)
@@ -137,16 +135,6 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e, j in pairs:
             out = out + self.experts[e](x) * weights[:, j, None].to(x.dtype)
-        return out
-
-    def _all_experts(self, x, expert_ids, weights):
-        """Enough (token, expert) pairs to touch most experts: run each expert on every token, weight 0 if unrouted.
-        No sorting or gathering, and each expert's weights are read once."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-        dense.scatter_(1, expert_ids, weights.to(x.dtype))  # [num_tokens, num_experts]
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + expert(x) * dense[:, e, None]
         return out
 
     def _grouped(self, x, expert_ids, weights):
