@@ -13,19 +13,13 @@ from eyas.engine.llm import DEFAULT_MODEL
 
 def _read_prompt_file(path: Path) -> list[str | list[dict]]:
     """JSONL, one object per line with a `prompt` string or chat `messages`."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such prompt file")
+    from eyas.train.data import iter_records
+
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+    for lineno, record in iter_records(path):
+        if isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        elif isinstance(record.get("messages"), list):
             prompts.append(record["messages"])
         else:
             raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string or a 'messages' list")

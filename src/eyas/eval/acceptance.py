@@ -18,19 +18,13 @@ from eyas.config import SamplingParams
 
 
 def read_prompts(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise ValueError(f"{path}: no such prompts file")
+    from eyas.train.data import iter_records
+
     records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-        turns = record.get("turns") if isinstance(record, dict) else None
+    for lineno, record in iter_records(path):
+        turns = record.get("turns")
         if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)) and not (
-                isinstance(record, dict) and isinstance(record.get("prompt"), str)):
+                isinstance(record.get("prompt"), str)):
             raise ValueError(f"{path}:{lineno}: expected {{\"category\": ..., \"turns\": [strings]}} or "
                              "{\"category\": ..., \"prompt\": string}")
         records.append({"category": str(record.get("category", "all")), "turns": turns, "prompt": record.get("prompt")})

@@ -17,19 +17,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eyas.config import SamplingParams
+from eyas.train.data import iter_records, normalize_record
 
 
 def normalise(record: dict, where: str) -> list[dict]:
-    """OpenAI `messages` or ShareGPT `conversations` -> messages."""
-    if isinstance(record.get("messages"), list):
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if isinstance(record.get("conversations"), list):
-        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-        try:
-            return [{"role": roles[m["from"]], "content": m["value"]} for m in record["conversations"]]
-        except KeyError as e:
-            raise ValueError(f"{where}: ShareGPT turn with an unknown or missing field {e}") from e
-    raise ValueError(f"{where}: expected a 'messages' or 'conversations' list")
+    """OpenAI `messages` or ShareGPT `conversations` -> messages (plain-text records have no turns to rewrite)."""
+    messages = normalize_record(record, where)
+    if isinstance(messages, str):
+        raise ValueError(f"{where}: a plain-text record has no assistant turns to regenerate")
+    return messages
 
 
 def regenerate(llm, conversations: list[list[dict]], params: SamplingParams,
@@ -83,16 +79,7 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     from eyas.engine.llm import LLM
 
     set_threads(args.threads, "cpu")
-    if not args.data.is_file():
-        raise ValueError(f"{args.data}: no such file")
-    conversations = []
-    for lineno, line in enumerate(args.data.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{args.data}:{lineno}: not valid JSON ({e})") from e
-            conversations.append(normalise(record, f"{args.data}:{lineno}"))
+    conversations = [normalise(record, f"{args.data}:{lineno}") for lineno, record in iter_records(args.data)]
     conversations = conversations[:args.limit] if args.limit else conversations
     done = 0
     if args.out.is_file():
