@@ -97,6 +97,16 @@ class RopeConfig:
         return 1.0
 
 
+def read_config_json(file: Path, expected: str) -> dict:
+    """A config.json as a dict; a missing or malformed file is a ConfigError naming it and what was expected."""
+    if not file.is_file():
+        raise ConfigError(f"{file}: no such file (expected {expected} with a config.json)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from e
+
+
 def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -241,13 +251,7 @@ class DeepseekV3Config:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: no config.json here (expected a HF checkpoint directory)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(path, "a HF checkpoint directory"), source=str(path))
 
     def to_hf(self) -> dict:
         """config.json as DeepSeek-V3 ships it, readable by transformers and vLLM."""

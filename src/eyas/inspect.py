@@ -20,20 +20,11 @@ import torch
 
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
 from eyas.checkpoint import CheckpointError
-from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.export import DTYPE_NAMES, checkpoint_keys, load_target_head, stored_dtype
 from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD, MODELOPT_EAGLE_KEYS, load_draft
 
 METHODS = ("eagle", "mtp")
-
-
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise ConfigError(f"{file}: no such file (expected a checkpoint directory with a config.json)")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from e
 
 
 def _rope_text(rope: RopeConfig, max_positions: int) -> str:
@@ -154,7 +145,7 @@ def _convention_problems(raw: dict, file_ids: list[int] | None, assumed: str, nu
 
 def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, aux_convention: str | None,
                  problems: list[str], warnings: list[str]) -> dict[str, Any]:
-    raw = _read_json(draft_dir / "config.json")
+    raw = read_config_json(draft_dir / "config.json", "a draft checkpoint directory")
     checkpoint_keys(draft_dir)  # an unreadable file is an input error, not a mismatch
     L = config.num_hidden_layers
     field, file_ids = _file_ids(raw)
@@ -219,7 +210,7 @@ def inspect_report(target_dir: str | Path, draft_dir: str | Path | None = None, 
     if method not in METHODS:
         raise ValueError(f"speculative method {method!r} is not one of {list(METHODS)}")
     target_dir = Path(target_dir)
-    raw = _read_json(target_dir / "config.json")
+    raw = read_config_json(target_dir / "config.json", "a target checkpoint directory")
     config = DeepseekV3Config.from_dict(raw, source=str(target_dir / "config.json"))
     keys = checkpoint_keys(target_dir)
     problems: list[str] = []

@@ -16,7 +16,6 @@ lm_head) with no conversion step, and records what it decided in `draft.load_rep
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from torch import nn
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.checkpoint import CheckpointError, dequantize_fp8, fp8_block_size, read_safetensors
-from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.attention import AttentionMetadata, paged_attention
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
@@ -393,16 +392,6 @@ def detect_architecture(raw: dict, has_fc: bool, source: str) -> tuple[str, str]
                       f"EAGLE-3 draft. Supported (method, architecture) pairs: {pairs}")
 
 
-def _read_config(path: Path) -> dict:
-    file = path / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{file}: no config.json here (expected an EAGLE-3 draft checkpoint directory)")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from e
-
-
 def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None) -> Eagle3Draft:
     """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, Model Optimizer, MAX or eyas, for `target`.
 
@@ -412,7 +401,7 @@ def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: 
     """
     path = Path(path)
     source = str(path / "config.json")
-    raw = _read_config(path)
+    raw = read_config_json(path / "config.json", "an EAGLE-3 draft checkpoint directory")
     weight = target.lm_head.weight
     dtype, device = weight.dtype, weight.device
 
