@@ -161,6 +161,41 @@ def test_stop_string_cuts_text(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids(client):
+    free = client.completions.create(model=NAME, prompt=PROMPTS[1], **greedy(16)).choices[0].token_ids
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], temperature=0, max_tokens=16,
+                                  extra_body={"stop_token_ids": [free[5]], "return_token_ids": True})
+    assert r.choices[0].token_ids == free[:free.index(free[5]) + 1] and r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_equal_the_engines(client, reference):
+    ref = reference.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                          logprobs=2))[0]
+    tok = reference.tokenizer
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], logprobs=2, **greedy(8))
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([e[1] for e in ref.logprobs], abs=1e-5)
+    assert [list(d) for d in lp.top_logprobs] == [[tok.decode([t]) for t, _ in e[2]] for e in ref.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    stream = list(client.completions.create(model=NAME, prompt=PROMPTS[0], logprobs=2, stream=True, **greedy(8)))
+    pieces = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs]
+    assert sum((p.token_logprobs for p in pieces), []) == lp.token_logprobs
+    assert sum((p.text_offset for p in pieces), []) == lp.text_offset
+
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, logprobs=True, top_logprobs=3, **greedy(6))
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    plain = client.chat.completions.create(model=NAME, messages=CHAT, **greedy(3))
+    assert plain.choices[0].logprobs is None
+    stream = list(client.chat.completions.create(model=NAME, messages=CHAT, logprobs=True, stream=True,
+                                                 **greedy(6)))
+    assert [c.logprob for s in stream if s.choices[0].logprobs for c in s.choices[0].logprobs.content] == \
+        [c.logprob for c in content]
+
+
 def test_same_seed_same_text(client):
     def sample(seed):
         return client.completions.create(model=NAME, prompt="x", temperature=1.0, top_p=0.95, seed=seed,
@@ -216,6 +251,12 @@ BAD = [  # (endpoint, body, param the error names, a word of the message)
     ("completions", {"model": NAME, "prompt": "x", "guided_regex": "[a-"}, "guided_regex", "regex"),
     ("chat/completions", {"model": NAME, "messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens",
      "positive"),
+    ("completions", {"model": NAME, "prompt": "x", "logprobs": 21}, "logprobs", "0..20"),
+    ("completions", {"model": NAME, "prompt": "x", "logprobs": True}, "logprobs", "integer"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+     "0..20"),
+    ("completions", {"model": NAME, "prompt": "x", "stop_token_ids": [-4]}, "stop_token_ids", "token ids"),
 ]
 
 

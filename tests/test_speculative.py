@@ -116,6 +116,46 @@ def test_per_batch_size_draft_count(copying_mtp):
     assert alone.token_ids == batched.token_ids
 
 
+def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, disable_batch_size=3)
+    assert [config.num_tokens_for_batch(b) for b in (1, 2, 3, 50)] == [3, 3, 0, 0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5, 6], [7, 8], [9]]
+    crowded = LLM(copying_mtp, speculative_config=config).generate(prompts, params)
+    assert all(o.num_drafted == 0 for o in crowded)  # three always running: never a draft
+    pair = LLM(copying_mtp, speculative_config=config).generate(prompts[:2], params)
+    assert all(o.acceptance_length > 3 for o in pair)  # two running: full drafting, the rig accepts nearly all
+    plain = LLM(copying_mtp).generate(prompts, params)
+    assert [o.token_ids for o in crowded] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in pair] == [o.token_ids for o in plain[:2]]
+    with pytest.raises(ValueError, match="disable_batch_size"):
+        SpeculativeConfig(method="mtp", disable_batch_size=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
+def test_logprobs_are_the_targets_own(request, checkpoint):
+    """Each returned log-probability is the target's log-softmax at that position (a full forward over the
+    output recomputes them), whether the token came from a plain step or from an accepted draft."""
+    path = request.getfixturevalue(checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    plain = run(path, params)
+    spec = run(path, params, speculative_method="mtp", num_speculative_tokens=3)
+    model = LLM(path).model
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and len(a.logprobs) == len(b.logprobs) == 12
+        ids = torch.tensor(a.prompt_token_ids + a.token_ids)
+        with torch.no_grad():
+            expected = model(ids[None])[0, len(a.prompt_token_ids) - 1:-1].float().log_softmax(-1)
+        for out in (a, b):
+            for j, (token, logprob, top) in enumerate(out.logprobs):
+                assert token == out.token_ids[j] and abs(logprob - expected[j, token].item()) < 1e-4
+                values, ids_top = expected[j].topk(3)
+                assert [t for t, _ in top] == ids_top.tolist() and top[0][0] == token  # greedy: the argmax
+                assert max(abs(lp - v) for (_, lp), v in zip(top, values.tolist())) < 1e-4
+    none = run(path, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(o.logprobs is None for o in none)
+
+
 # -- EAGLE-3 drafts ---------------------------------------------------------------------------------------------
 
 def rig_bigram_target_and_first_step_eagle(target_dir, draft_dir):

@@ -93,6 +93,7 @@ def speculative_config(args: argparse.Namespace):
     return SpeculativeConfig(
         method=args.speculative_method, draft_model=str(args.draft_model) if args.draft_model else None,
         num_speculative_tokens=args.num_speculative_tokens, num_speculative_tokens_per_batch_size=per_batch,
+        disable_batch_size=args.speculative_disable_batch_size,
         rejection_sampling_strategy=args.rejection_sampling_strategy,
         synthetic_acceptance_rate=args.synthetic_acceptance_rate, relaxed_thinking=args.relaxed_thinking,
         relaxed_thinking_topk=args.relaxed_thinking_topk, relaxed_thinking_delta=args.relaxed_thinking_delta,
@@ -110,6 +111,10 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
                    help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
                    '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
+    s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
+                   help="draft nothing while N or more sequences run (verifying K + 1 rows per sequence costs more "
+                   "than it saves once a step is compute-bound); the draft keeps its cache, so drafting resumes at "
+                   "full acceptance when the batch shrinks")
     s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "

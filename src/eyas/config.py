@@ -311,6 +311,9 @@ class StructuredOutputParams:
         return (schema, self.json_object, self.regex)
 
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top log-probabilities per position
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling, shaped like vLLM's. temperature 0 means greedy. `structured_output` constrains the
@@ -326,6 +329,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     structured_output: StructuredOutputParams | None = None
+    # None: no log-probabilities; n >= 0: each generated token's and the n most likely tokens' (target's raw
+    # distribution, before temperature and top-k/p: what vLLM reports)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -344,6 +350,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens is {self.max_tokens}; expected a positive integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs is {self.logprobs}; expected 0..{MAX_LOGPROBS} (the most likely tokens to "
+                             "return per position)")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids is {self.stop_token_ids}; expected non-negative token ids")
 
     @property
     def greedy(self) -> bool:
@@ -364,6 +375,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     # [{"batch_start": 1, "batch_end": 16, "num_tokens": 3}, ...]: K by running batch size (inclusive bounds)
     num_speculative_tokens_per_batch_size: list[dict] = field(default_factory=list)
+    # no drafts while this many sequences or more are running: where verifying K + 1 rows costs more than the
+    # accepted drafts save (compute-bound batches); the draft's cache is still filled, so drafting resumes at once
+    disable_batch_size: int | None = None
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None
     relaxed_thinking: bool = False
@@ -389,6 +403,8 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_rate is {self.synthetic_acceptance_rate}; expected 0..1")
         if self.relaxed_thinking_topk < 1 or self.relaxed_thinking_delta < 0:
             raise ValueError("relaxed_thinking_topk must be >= 1 and relaxed_thinking_delta >= 0")
+        if self.disable_batch_size is not None and self.disable_batch_size < 1:
+            raise ValueError(f"disable_batch_size is {self.disable_batch_size}; expected a positive batch size")
         for i, rule in enumerate(self.num_speculative_tokens_per_batch_size):
             if not isinstance(rule, dict) or set(rule) != {"batch_start", "batch_end", "num_tokens"}:
                 raise ValueError(f"num_speculative_tokens_per_batch_size[{i}] is {rule!r}; expected "
@@ -408,6 +424,8 @@ class SpeculativeConfig:
         return max([self.num_speculative_tokens] + [r["num_tokens"] for r in rules])
 
     def num_tokens_for_batch(self, batch_size: int) -> int:
+        if self.disable_batch_size is not None and batch_size >= self.disable_batch_size:
+            return 0
         for rule in self.num_speculative_tokens_per_batch_size:
             if rule["batch_start"] <= batch_size <= rule["batch_end"]:
                 return rule["num_tokens"]

@@ -16,7 +16,7 @@ from eyas.config import SamplingParams, SpeculativeConfig
 from eyas.engine.grammar import GrammarCache, apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
-from eyas.engine.sampling import process_logits, sample
+from eyas.engine.sampling import TokenLogprobs, process_logits, sample, token_logprobs
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
 from eyas.engine.speculative import SpeculativeDecoder
@@ -38,6 +38,7 @@ class RequestOutput:
     acceptance_length: float = 1.0  # tokens per verify step: 1 + accepted / verify steps
     accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft k
     accepted_counts: list[int] = field(default_factory=list)  # verify steps whose draft k was accepted
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when SamplingParams.logprobs is set
 
     @property
     def num_generated(self) -> int:
@@ -125,14 +126,16 @@ class LLM:
         if not batch:
             raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
         if self.speculative is not None:
-            new_tokens = self.speculative.step(batch, len(self.scheduler.running))
+            new_tokens, new_logprobs = self.speculative.step(batch, len(self.scheduler.running))
         else:
-            new_tokens = self._plain_step(batch)
+            new_tokens, new_logprobs = self._plain_step(batch)
         finished = []
         now = time.perf_counter()
-        for seq, tokens in zip(batch.seqs, new_tokens):
-            for token in tokens:  # one at a time: a stop inside an accepted run drops the tokens after it
+        for seq, tokens, logprobs in zip(batch.seqs, new_tokens, new_logprobs):
+            for k, token in enumerate(tokens):  # one at a time: a stop inside an accepted run drops the tokens after it
                 seq.token_ids.append(token)
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs[k])
                 seq.first_token_time = seq.first_token_time or now
                 reason = self._stop_reason(seq, token)
                 if reason:
@@ -142,30 +145,38 @@ class LLM:
                     break
         return finished
 
-    def _plain_step(self, batch) -> list[list[int]]:
+    def _plain_step(self, batch) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         hidden, _, query_lens = self.runner.forward(batch)
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, query_lens)) if s.num_computed + n == len(s)]
         for seq, n in zip(batch.seqs, query_lens):
             seq.num_computed += n
         new_tokens: list[list[int]] = [[] for _ in batch.seqs]
+        new_logprobs: list[list[TokenLogprobs] | None] = [None for _ in batch.seqs]
         if rows:
             last_rows = torch.tensor(query_lens).cumsum(0)[rows] - 1
             seqs = [batch.seqs[i] for i in rows]
             params = [s.params for s in seqs]
             with torch.inference_mode():
                 logits = self.model.compute_logits(hidden[last_rows])
+                masked = logits
                 constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
                 if constrained:  # grammar mask before temperature and top-k/p, as in the speculative step
                     bitmask = self.grammars.new_bitmask(len(seqs))
                     for r in constrained:
                         seqs[r].grammar.fill_mask(bitmask, r)
-                    logits = apply_bitmask(logits, bitmask)
-                tokens = sample(process_logits(logits, params), params, [s.generator for s in seqs]).tolist()
+                    masked = apply_bitmask(logits, bitmask)
+                tokens = sample(process_logits(masked, params), params, [s.generator for s in seqs]).tolist()
+                wanted = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+                if wanted:
+                    entries = token_logprobs(logits[wanted], [tokens[r] for r in wanted],
+                                             [seqs[r].params.logprobs for r in wanted])
+                    for r, entry in zip(wanted, entries):
+                        new_logprobs[rows[r]] = [entry]
             for i, seq, token in zip(rows, seqs, tokens):
                 new_tokens[i] = [token]
                 if seq.grammar is not None:
                     seq.grammar.advance([token])
-        return new_tokens
+        return new_tokens, new_logprobs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -194,7 +205,8 @@ class LLM:
             elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time, num_drafted=seq.num_drafted,
             num_accepted=seq.num_accepted, num_verify_steps=steps, acceptance_length=seq.acceptance_length,
             accepted_counts=list(seq.accepted_per_position),
-            accepted_per_position=[a / steps for a in seq.accepted_per_position] if steps else [])
+            accepted_per_position=[a / steps for a in seq.accepted_per_position] if steps else [],
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
 
     def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,
                  params: SamplingParams | Seq[SamplingParams] | None = None,

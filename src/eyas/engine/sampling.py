@@ -11,6 +11,9 @@ import torch
 
 from eyas.config import SamplingParams
 
+# one generated token's log-probabilities: (its id, its log-prob, [(token id, log-prob)] of the most likely, best first)
+TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
+
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Log-probabilities after temperature, top-k, top-p and min-p, per row; rows are [num_rows, vocab].
@@ -47,3 +50,14 @@ def sample(logprobs: torch.Tensor, params: list[SamplingParams],
         noise = torch.empty(logprobs.shape[-1]).exponential_(generator=generators[row])
         out[row] = (logprobs[row] - noise.to(logprobs.device).log()).argmax()
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """For row r of raw target logits [rows, vocab]: the log-probability of tokens[r] and the num_top[r] most likely
+    tokens, under the target's own distribution (before temperature, top-k/p and grammar masks, as vLLM reports)."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [(tokens[r], chosen[r], list(zip(top_ids[r][:n], top_values[r][:n]))) for r, n in enumerate(num_top)]

@@ -13,6 +13,7 @@ from eyas.config import SamplingParams
 
 if TYPE_CHECKING:
     from eyas.engine.grammar import SequenceGrammar
+    from eyas.engine.sampling import TokenLogprobs
 
 _ids = itertools.count()
 
@@ -36,6 +37,7 @@ class Sequence:
         self.num_accepted = 0
         self.num_verify_steps = 0
         self.accepted_per_position: list[int] = []  # [k]: verify steps whose draft k was accepted
+        self.logprobs: list[TokenLogprobs] = []  # per generated token, when params.logprobs is set
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text: str | None = None  # set when a stop string ended the sequence: the text before it

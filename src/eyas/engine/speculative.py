@@ -38,7 +38,7 @@ from eyas.engine.acceptance import AcceptanceRule, VerifyRows
 from eyas.engine.grammar import apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
-from eyas.engine.sampling import process_logits
+from eyas.engine.sampling import TokenLogprobs, process_logits, token_logprobs
 from eyas.engine.scheduler import ScheduledBatch
 from eyas.engine.sequence import Sequence
 
@@ -81,8 +81,10 @@ class SpeculativeDecoder:
                                        device=runner.device)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch, num_running: int) -> list[list[int]]:
-        """Run one iteration; return the tokens each sequence commits (empty while its prompt is prefilling)."""
+    def step(self, batch: ScheduledBatch,
+             num_running: int) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Run one iteration; return the tokens each sequence commits (empty while its prompt is prefilling) and,
+        for sequences that asked for them, their log-probabilities (None otherwise)."""
         seqs = batch.seqs
         # 1-2. merge and verify
         hidden, aux, query_lens = self.runner.forward(batch, self.draft.aux_hidden_state_ids)
@@ -95,6 +97,7 @@ class SpeculativeDecoder:
         # 3. mask: target log-probs at the last num_drafts + 1 rows of every sequence that samples
         sampling = [i for i, ok in enumerate(caught_up) if ok]
         new_tokens: list[list[int]] = [[] for _ in seqs]
+        new_logprobs: list[list[TokenLogprobs] | None] = [None for _ in seqs]
         num_accepted = [0] * len(seqs)
         if sampling:
             k_max = max(num_drafts[i] for i in sampling)
@@ -102,8 +105,8 @@ class SpeculativeDecoder:
                     for j in range(num_drafts[i] + 1)]
             row_params = [seqs[i].params for i in sampling for _ in range(num_drafts[i] + 1)]
             logits = self.target.compute_logits(hidden[rows])  # [sum of (num_drafts + 1), vocab]
-            logits, usable = self._grammar_mask(logits, [seqs[i] for i in sampling], [num_drafts[i] for i in sampling])
-            flat = process_logits(logits, row_params)
+            masked, usable = self._grammar_mask(logits, [seqs[i] for i in sampling], [num_drafts[i] for i in sampling])
+            flat = process_logits(masked, row_params)
             logprobs = flat.new_full((len(sampling), k_max + 1, flat.shape[-1]), float("-inf"))
             draft_tokens = torch.zeros(len(sampling), max(k_max, 1), dtype=torch.long)
             offset = 0
@@ -117,12 +120,18 @@ class SpeculativeDecoder:
                 logprobs=logprobs, draft_tokens=draft_tokens, num_drafts=usable,
                 params=[seqs[i].params for i in sampling], generators=[seqs[i].generator for i in sampling],
                 in_thinking=[self._in_thinking(seqs[i]) for i in sampling]))
+            first_row = 0
             for r, i in enumerate(sampling):
                 num_accepted[i] = accepted[r]
                 new_tokens[i] = seqs[i].draft_tokens[:accepted[r]] + [extra[r]]
                 if seqs[i].grammar is not None:
                     seqs[i].grammar.advance(new_tokens[i])
                 self._record(seqs[i], num_drafts[i], accepted[r])
+                if seqs[i].params.logprobs is not None:  # committed token j was predicted by verify row j
+                    n = len(new_tokens[i])
+                    new_logprobs[i] = token_logprobs(logits[first_row:first_row + n], new_tokens[i],
+                                                     [seqs[i].params.logprobs] * n)
+                first_row += num_drafts[i] + 1
 
         # 5. rollback: keep the target KV of committed tokens and accepted drafts only
         step0_rows, step0_next, step0_lens = [], [], []
@@ -140,7 +149,7 @@ class SpeculativeDecoder:
 
         # 6. propose
         self._propose(seqs, hidden, aux, step0_rows, step0_next, step0_lens, new_tokens, caught_up, num_running)
-        return new_tokens
+        return new_tokens, new_logprobs
 
     def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
                  num_running: int) -> None:

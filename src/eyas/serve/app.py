@@ -30,7 +30,9 @@ from eyas.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     chat_body,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     new_id,
     usage,
     validation_error,
@@ -145,16 +147,18 @@ async def _respond(request: Request, engine: EngineLoop, body, prompt, max_token
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _EventStream(_sse(updates, rid, kind, model_name, first, include_usage, body.return_token_ids),
                             on_close=lambda: engine.abort(req))
-    text, token_ids, last = [], [], first
+    text, token_ids, logprobs, last = [], [], [], first
     async for update in updates:
         text.append(update.text)
         token_ids += update.token_ids
+        logprobs += update.logprobs or []
         last = update
     if last.finish_reason is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     make = chat_body if kind == "chat.completion" else completion_body
     return JSONResponse(make(rid, model_name, "".join(text), last.finish_reason, last.num_prompt_tokens,
-                             last.num_generated, token_ids if body.return_token_ids else None))
+                             last.num_generated, token_ids if body.return_token_ids else None,
+                             logprobs if params.logprobs is not None else None))
 
 
 class _EventStream(StreamingResponse):
@@ -203,12 +207,16 @@ async def _sse(updates: AsyncIterator[Update], rid: str, kind: str, model_name: 
     created = int(time.time())
     chat = kind == "chat.completion"
 
-    def chunk(text: str, finish_reason: str | None, token_ids: list[int] | None = None, role: bool = False) -> str:
+    text_offset = 0
+
+    def chunk(text: str, finish_reason: str | None, token_ids: list[int] | None = None, role: bool = False,
+              logprobs: list | None = None) -> str:
         if chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, text_offset),
+                      "finish_reason": finish_reason}
         if return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids
         data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -223,8 +231,9 @@ async def _sse(updates: AsyncIterator[Update], rid: str, kind: str, model_name: 
     try:
         async for update in updates:
             last = update
-            if update.text or update.finish_reason or (return_token_ids and update.token_ids):
-                yield chunk(update.text, update.finish_reason, update.token_ids)
+            if update.text or update.finish_reason or (return_token_ids and update.token_ids) or update.logprobs:
+                yield chunk(update.text, update.finish_reason, update.token_ids, logprobs=update.logprobs)
+                text_offset += sum(len(e["token"]) for e in update.logprobs or [])
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
     if include_usage and last.finish_reason is not None:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from eyas.config import SamplingParams
 from eyas.engine.llm import LLM, PromptTooLong
+from eyas.engine.sampling import TokenLogprobs
 from eyas.engine.sequence import Sequence
 from eyas.serve.metrics import ServerMetrics
-from eyas.serve.protocol import ApiError
+from eyas.serve.protocol import ApiError, LogprobEntry
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Update:
     num_prompt_tokens: int
     num_generated: int  # all generated tokens so far
     finish_reason: str | None = None  # "stop" | "length" on the last update
+    logprobs: list[LogprobEntry] | None = None  # for the new tokens, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -175,12 +177,25 @@ class EngineLoop:
             text = self._text(seq, final=seq.is_finished)
             delta = text[len(req.sent_text):] if text.startswith(req.sent_text) else ""
             new_ids = seq.generated_ids[req.num_sent_tokens:]
+            logprobs = self._logprob_entries(seq.logprobs[req.num_sent_tokens:]) \
+                if seq.params.logprobs is not None else None
             req.sent_text += delta
             req.num_sent_tokens = seq.num_generated
             if seq.is_finished:
                 self._finish(req, seq.finish_reason)
             req.deliver(Update(delta, new_ids, seq.num_prompt_tokens, seq.num_generated,
-                               seq.finish_reason if seq.is_finished else None))
+                               seq.finish_reason if seq.is_finished else None, logprobs))
+
+    def _logprob_entries(self, logprobs: list[TokenLogprobs]) -> list[LogprobEntry]:
+        """Token ids -> text here, in the thread that owns the tokenizer. Each token is decoded alone, so a piece
+        of a multi-byte character shows as U+FFFD (as in vLLM)."""
+        tokenizer = self.llm.tokenizer
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+        return [{"token": text(token_id), "logprob": logprob, "top": [[text(t), lp] for t, lp in top]}
+                for token_id, logprob, top in logprobs]
 
     def _text(self, seq: Sequence, final: bool) -> str:
         """The generated text, cut at the first stop string (as the engine cuts it). Until the end, hold back

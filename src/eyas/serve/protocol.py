@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from eyas.config import SamplingParams, StructuredOutputParams
+from eyas.config import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 
 
 class ApiError(Exception):
@@ -78,6 +78,7 @@ class _Sampling(_Strict):
     user: str | None = None
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     guided_regex: str | None = None  # vLLM's extension: the output matches this regular expression
+    stop_token_ids: list[int] | None = None  # vLLM's extension: these token ids end the output too
 
     @field_validator("n")
     @classmethod
@@ -136,6 +137,10 @@ class _Sampling(_Strict):
             raise ApiError(400, str(e).replace("structured_output regex", "guided_regex"), param="guided_regex") from e
         return None
 
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per position the request asks for (None: no log-probabilities)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams checks the values (temperature >= 0, 0 < top_p <= 1, ...); its message names the field."""
         structured = self.structured_output()
@@ -143,14 +148,30 @@ class _Sampling(_Strict):
             return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                   min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                                  ignore_eos=self.ignore_eos, structured_output=structured)
+                                  stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                                  structured_output=structured, logprobs=self.num_logprobs())
         except ValueError as e:
             first = str(e).split()[0]
             raise ApiError(400, str(e), param=first if first in type(self).model_fields else None) from e
 
 
+def _check_top(value: int | None, name: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} is {value}; expected 0..{MAX_LOGPROBS}")
+    return value
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = None  # the legacy form: this many top tokens per position, besides the chosen one
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, logprobs: int | None) -> int | None:
+        return _check_top(logprobs, "logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -178,6 +199,18 @@ class Message(_Strict):
 class ChatRequest(_Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = None  # the newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # needs logprobs: true
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_range(cls, top: int | None) -> int | None:
+        return _check_top(top, "top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -205,9 +238,45 @@ def usage(num_prompt: int, num_completion: int) -> dict:
             "total_tokens": num_prompt + num_completion}
 
 
+# One generated token's log-probabilities as the engine thread renders them (it owns the tokenizer):
+# {"token": text of the token, "logprob": float, "top": [[text, logprob], ...] best first}
+LogprobEntry = dict
+
+
+def completion_logprobs(entries: list[LogprobEntry] | None, text_offset: int = 0) -> dict | None:
+    """The legacy completions form: parallel lists, top tokens as {text: logprob} (a text repeated keeps its best)."""
+    if entries is None:
+        return None
+    def top(pairs: list) -> dict:
+        best: dict = {}
+        for text, logprob in pairs:  # best first: a text repeated keeps its best log-probability
+            best.setdefault(text, logprob)
+        return best
+
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [top(e["top"]) for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[LogprobEntry] | None) -> dict | None:
+    """The chat form: one object per token with its UTF-8 bytes and its top alternatives."""
+    if entries is None:
+        return None
+
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [dict(one(e["token"], e["logprob"]), top_logprobs=[one(t, lp) for t, lp in e["top"]])
+                        for e in entries], "refusal": None}
+
+
 def completion_body(rid: str, model: str, text: str, finish_reason: str, num_prompt: int,
-                    num_completion: int, token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    num_completion: int, token_ids: list[int] | None = None,
+                    logprobs: list[LogprobEntry] | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -215,8 +284,9 @@ def completion_body(rid: str, model: str, text: str, finish_reason: str, num_pro
 
 
 def chat_body(rid: str, model: str, text: str, finish_reason: str, num_prompt: int,
-              num_completion: int, token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              num_completion: int, token_ids: list[int] | None = None,
+              logprobs: list[LogprobEntry] | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": chat_logprobs(logprobs),
               "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
