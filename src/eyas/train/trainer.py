@@ -386,10 +386,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
+    p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
     p.set_defaults(func=_cmd_train)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = TrainConfig(target=args.target, out=args.out, data=args.data, hidden_states=args.hidden_states,
                       draft_arch=args.draft_arch, draft_vocab_size=args.draft_vocab_size, vocab_file=args.vocab_file,
                       aux_layer_ids=args.aux_layer_ids, aux_layer_convention=args.aux_layer_convention,
