@@ -77,9 +77,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def speculative_config(args: argparse.Namespace):
+    """The SpeculativeConfig the speculative arguments describe, or None for plain decoding. With no
+    --speculative-method: eagle when a --draft-model is given; for the bundled target, eagle with its bundled MLA
+    draft; otherwise plain."""
     from eyas.config import SpeculativeConfig
+    from eyas.engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
 
-    if args.speculative_method == "none":
+    method, draft = args.speculative_method, args.draft_model
+    if method is None:
+        model = getattr(args, "model", None)
+        if draft is not None:
+            method = "eagle"
+        elif model is not None and Path(model).resolve() == DEFAULT_MODEL.resolve() and DEFAULT_DRAFT.is_dir():
+            method, draft = "eagle", DEFAULT_DRAFT
+        else:
+            method = "none"
+    if method == "none":
         return None
     per_batch = []
     if args.num_speculative_tokens_per_batch_size:
@@ -91,7 +104,7 @@ def speculative_config(args: argparse.Namespace):
             raise ValueError("--num-speculative-tokens-per-batch-size must be a JSON list of "
                              '{"batch_start": ..., "batch_end": ..., "num_tokens": ...} objects')
     return SpeculativeConfig(
-        method=args.speculative_method, draft_model=str(args.draft_model) if args.draft_model else None,
+        method=method, draft_model=str(draft) if draft else None,
         num_speculative_tokens=args.num_speculative_tokens, num_speculative_tokens_per_batch_size=per_batch,
         disable_batch_size=args.speculative_disable_batch_size,
         rejection_sampling_strategy=args.rejection_sampling_strategy,
@@ -102,9 +115,10 @@ def speculative_config(args: argparse.Namespace):
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"], default="none",
+    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"],
                    help="eagle: an EAGLE-3 draft head (--draft-model); mtp: the target's own NextN layer; "
-                   "none: plain decoding")
+                   "none: plain decoding. Default: eagle when --draft-model is given; for the bundled tiny target, "
+                   "eagle with its bundled MLA draft; otherwise none")
     s.add_argument("--draft-model", type=Path, help="EAGLE-3 draft directory (vLLM, SGLang, Model Optimizer, MAX "
                    "or eyas layout; MLA or Llama-style MHA)")
     s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (K)")

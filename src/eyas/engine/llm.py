@@ -22,6 +22,7 @@ from eyas.engine.sequence import Sequence
 from eyas.engine.speculative import SpeculativeDecoder
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
+DEFAULT_DRAFT = DEFAULT_MODEL.parent / "tiny-deepseek-v3-eagle3-mla"  # its trained EAGLE-3 MLA draft
 
 
 @dataclass(slots=True)

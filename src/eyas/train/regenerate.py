@@ -69,6 +69,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=64, help="conversations per saved chunk")
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                   help="KV cache budget (default: 0.25 GiB on CPU); too small for max-num-seqs long conversations "
+                   "means preemption and recomputation")
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--threads", type=int)
     p.set_defaults(func=_cmd_regenerate)
@@ -91,7 +94,7 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     if done > len(conversations):
         raise ValueError(f"{args.out} has {done} lines but {args.data} only {len(conversations)} conversations; "
                          "is it the output of another file?")
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv")
     for start in range(done, len(conversations), args.chunk_size):
