@@ -102,3 +102,25 @@ def test_engine_cache_size_follows_config(model):
     c = model.config
     assert runner.cache.tensors.shape == (c.num_hidden_layers, 8, c.kv_lora_rank + c.qk_rope_head_dim)
     assert runner.cache.bytes_per_token == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
+    """pack_for_inference fuses gate/up and the MLA input projections: same outputs, same state_dict, and the
+    packed weights are frozen (a packed module must not be trained)."""
+    from eyas.models.layers import pack_for_inference
+
+    make_hf_checkpoint(tmp_path, rope_parameters=YARN, q_lora_rank=q_lora_rank)
+    model = load_model(tmp_path, dtype="float32")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = model(ids)
+    pack_for_inference(model)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_kv_a is not None and model.model.layers[1].mlp.experts[0].gate_up is not None
+    torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not attn.kv_a_proj_with_mqa.weight.requires_grad
+    pack_for_inference(model)  # idempotent
+    torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)

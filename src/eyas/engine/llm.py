@@ -20,6 +20,7 @@ from eyas.engine.sampling import TokenLogprobs, process_logits, sample, token_lo
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
 from eyas.engine.speculative import SpeculativeDecoder
+from eyas.models.layers import pack_for_inference
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 DEFAULT_DRAFT = DEFAULT_MODEL.parent / "tiny-deepseek-v3-eagle3-mla"  # its trained EAGLE-3 MLA draft
@@ -69,6 +70,7 @@ class LLM:
                 num_speculative_tokens=num_speculative_tokens)
         self.speculative_config = speculative_config
         self.model = load_model(model, dtype=dtype, device=device)
+        pack_for_inference(self.model)
         config = self.model.config
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
@@ -85,6 +87,7 @@ class LLM:
         self.speculative = None
         if speculative_config is not None:
             self.draft = load_draft_for(speculative_config, self.model)
+            pack_for_inference(self.draft)
             self.speculative = SpeculativeDecoder(self.runner, self.draft, speculative_config, self.allocator,
                                                   self.max_model_len, think_token_ids(self.tokenizer))
 

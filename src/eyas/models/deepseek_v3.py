@@ -18,7 +18,7 @@ from torch import nn
 
 from eyas.config import DeepseekV3Config
 from eyas.models.attention import AttentionMetadata, paged_latent_attention
-from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
 
 class MLAttention(nn.Module):
@@ -42,13 +42,28 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
+        self.q_kv_a: torch.Tensor | None = None  # set by pack()
+
+    def pack(self) -> None:
+        """For inference: the two projections of the input (queries, or their low-rank part, and the latent) as one
+        matmul; the weights stay as frozen views of the packed matrix (see MLP.pack)."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        if self.q_kv_a is None and first.bias is None and self.kv_a_proj_with_mqa.bias is None:
+            self.q_kv_a = pack_rows(first, self.kv_a_proj_with_mqa)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries split into (nope, roped) per head, and the latent (normalised kv, roped shared key)."""
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent_dim = self.kv_lora_rank + self.rope_dim
+        if self.q_kv_a is not None:
+            q, latent = F.linear(x, self.q_kv_a).split([self.q_kv_a.shape[0] - latent_dim, latent_dim], dim=-1)
+        else:
+            first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+            q, latent = first(x), self.kv_a_proj_with_mqa(x)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
         # the shared rope key rides along as one more head, so q and k rotate in one call
         rotated = apply_rope(torch.cat([q_rope, k_rope.unsqueeze(-2)], dim=-2), cos.unsqueeze(-2), sin.unsqueeze(-2),

@@ -28,9 +28,40 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def pack(self) -> None:
+        """For inference: gate and up become two halves of one [2I, H] matrix, so a step runs one matmul for both
+        (a small-batch step is dominated by the number of ops). The weights keep their names and values, as frozen
+        views of the packed matrix, so state_dict and checkpoints are unchanged."""
+        if self.gate_up is None:
+            self.gate_up = pack_rows(self.gate_proj, self.up_proj)
+
+
+def pack_for_inference(model: nn.Module) -> None:
+    """Pack every module that can (MLP, MLA input projections): fewer, larger matmuls per step. Inference only:
+    the packed weights are frozen views, so a packed module must not be trained."""
+    for module in model.modules():
+        if hasattr(module, "pack"):
+            module.pack()
+
+
+def pack_rows(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights of bias-free linears over their output rows into one tensor and make each weight a
+    frozen view of its rows; returns the packed tensor."""
+    packed = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(packed[start:start + rows], requires_grad=False)
+        start += rows
+    return packed
 
 
 class Rotary(nn.Module):
