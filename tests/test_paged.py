@@ -124,3 +124,69 @@ def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
     assert not attn.kv_a_proj_with_mqa.weight.requires_grad
     pack_for_inference(model)  # idempotent
     torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_long_chunks_and_short_rows_in_one_step(model):
+    """A step mixing prompt chunks longer than SHORT_QUERY (each attended as its own group) with short rows (padded
+    together), the long ones in the middle of the flat batch: logits equal the no-cache forward."""
+    from eyas.models.attention import SHORT_QUERY
+
+    torch.manual_seed(1)
+    block_size = 4
+    steps = ([2, SHORT_QUERY + 9, 3], [SHORT_QUERY + 1, 1, SHORT_QUERY + 2], [9, 20, 1], [1, 1, 1])
+    lengths = [sum(step[b] for step in steps) for b in range(3)]
+    seqs = [torch.randint(0, 96, (n,)).tolist() for n in lengths]
+    alloc = BlockAllocator(num_blocks=64, block_size=block_size)
+    cache = LatentCache(model.config.num_hidden_layers, 64, block_size, model.config.latent_dim, torch.float32)
+    tables = [[] for _ in seqs]
+    for b, n in enumerate(lengths):
+        alloc.grow(tables[b], n)
+    computed = [0, 0, 0]
+    worst = 0.0
+    # (query lengths per sequence) per step: long-short-long, then short-long-short, then decode rows
+    for q_lens in steps:
+        attn = AttentionMetadata.build(q_lens, [c + q for c, q in zip(computed, q_lens)], tables, block_size)
+        assert len(attn.groups) == 1 + sum(q > SHORT_QUERY for q in q_lens)
+        ids = [t for b, q in enumerate(q_lens) for t in seqs[b][computed[b]:computed[b] + q]]
+        with torch.no_grad():
+            logits = model.compute_logits(model.model(torch.tensor(ids), attn, cache)[0])
+        start = 0
+        for b, q in enumerate(q_lens):
+            ref = full_logits(model, seqs[b][:computed[b] + q])[computed[b]:]
+            worst = max(worst, (logits[start:start + q] - ref).abs().max().item())
+            start += q
+            computed[b] += q
+    assert computed == lengths and worst < 1e-4, worst
+
+
+def test_paged_mha_attention_with_groups():
+    """The Llama-style paged attention against plain causal SDPA per sequence, with a long chunk between short rows
+    and grouped kv heads."""
+    import torch.nn.functional as F
+
+    from eyas.models.attention import SHORT_QUERY, paged_attention
+
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block_size = 4, 2, 8, 4
+    lengths, q_lens = [9, SHORT_QUERY + 8, 5], [1, SHORT_QUERY + 3, 2]
+    keys = [torch.randn(n, 2, kv_heads, dim) for n in lengths]
+    tables, slot = [], 0
+    cache = torch.zeros(64 * block_size, 2, kv_heads, dim)
+    for kv in keys:
+        blocks = list(range(slot, slot + -(-len(kv) // block_size)))
+        slot += len(blocks)
+        tables.append(blocks)
+        for p in range(len(kv)):
+            cache[blocks[p // block_size] * block_size + p % block_size] = kv[p]
+    attn = AttentionMetadata.build(q_lens, lengths, tables, block_size)
+    assert len(attn.groups) == 2
+    q = torch.randn(sum(q_lens), heads, dim)
+    out = paged_attention(q, cache, attn, scale=dim ** -0.5)
+    start = 0
+    for kv, n, ql in zip(keys, lengths, q_lens):
+        k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, n, dim]
+        v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
+        ref = F.scaled_dot_product_attention(q[start:start + ql].transpose(0, 1), k, v, attn_mask=mask)
+        torch.testing.assert_close(out[start:start + ql], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        start += ql
