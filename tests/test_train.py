@@ -151,3 +151,85 @@ def test_frozen_lm_head_stays_the_targets(setup):
     assert torch.equal(draft["lm_head.weight"].float(), target.lm_head.weight[rows])
     log = read_log(setup[0] / "frozen" / "train_log.jsonl")
     assert len(log) == 3 and log[-1]["loss"] > 0
+
+
+def run_torchrun(args, nproc=2):
+    torchrun = shutil.which("torchrun") or "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", str(nproc), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def assert_same_steps(expected, got):
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for a, b in zip(expected, got):
+        assert b["loss_per_step"] == pytest.approx(a["loss_per_step"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=2e-4), a["step"]  # logged to 4 places
+
+
+def test_fsdp_two_processes_equal_one_process(setup):
+    import torch
+    from safetensors.torch import load_file
+
+    root = setup[0]
+    train(config(setup, "fsdp_one", max_steps=3))
+    run_torchrun(["-m", "eyas.cli", *cli_args(setup, "fsdp_two", steps=3), "--fsdp"])
+    assert_same_steps(read_log(root / "fsdp_one" / "train_log.jsonl"), read_log(root / "fsdp_two" / "train_log.jsonl"))
+    # the exported draft is the whole one, and trained the same
+    one, two = (load_file(root / out / "draft" / "model.safetensors") for out in ("fsdp_one", "fsdp_two"))
+    assert sorted(one) == sorted(two)
+    for key in one:
+        assert one[key].shape == two[key].shape and torch.allclose(one[key], two[key], rtol=1e-5, atol=1e-5), key
+    # the checkpoint holds whole tensors in exactly the unsharded form: same keys, same optimizer layout
+    one, two = (torch.load(root / out / "checkpoint" / "state.pt", weights_only=True) for out in ("fsdp_one",
+                                                                                                   "fsdp_two"))
+    assert one["step"] == two["step"] == 3 and one["config"] == two["config"]
+    assert list(one["draft"]) == list(two["draft"])
+    for key in one["draft"]:
+        assert torch.allclose(one["draft"][key], two["draft"][key], rtol=1e-5, atol=1e-5), key
+    assert one["optimizer"]["param_groups"] == two["optimizer"]["param_groups"]
+    assert one["optimizer"]["state"].keys() == two["optimizer"]["state"].keys()
+    for i, state in one["optimizer"]["state"].items():
+        assert state.keys() == two["optimizer"]["state"][i].keys()
+        for name, value in state.items():
+            other = two["optimizer"]["state"][i][name]
+            assert type(other) is torch.Tensor and other.shape == value.shape, (i, name)
+            assert torch.allclose(value, other, rtol=1e-4, atol=1e-7), (i, name)
+
+
+STOP_AFTER = """
+import json, sys
+
+from eyas.train.trainer import TrainConfig, train
+
+
+def stop(step, record):
+    if step == int(sys.argv[2]):
+        sys.exit(0)  # on every rank, after that step's checkpoint: as if the job had been stopped there
+
+
+train(TrainConfig(**json.loads(sys.argv[1])), resume=True, on_step=stop)
+"""
+
+
+def test_resume_across_fsdp_and_world_sizes(setup, tmp_path):
+    """Checkpoints are whole tensors whichever way they were made: 2 sharded ranks for 2 steps, then 1 plain
+    process for 2 more, then 2 sharded ranks again give the losses of one uninterrupted plain run."""
+    from dataclasses import asdict
+
+    root = setup[0]
+    train(config(setup, "mixed_whole", max_steps=6))
+    script = tmp_path / "stop_after.py"
+    script.write_text(STOP_AFTER)
+
+    def until(stop, fsdp):
+        return [str(script), json.dumps(asdict(config(setup, "mixed", max_steps=6, save_every=2, fsdp=fsdp))),
+                str(stop)]
+
+    run_torchrun(until(2, fsdp=True))
+    plain = subprocess.run([sys.executable, *until(4, fsdp=False)], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert [r["step"] for r in read_log(root / "mixed" / "train_log.jsonl")] == [1, 2, 3, 4]
+    run_torchrun(until(6, fsdp=True))
+    assert_same_steps(read_log(root / "mixed_whole" / "train_log.jsonl"), read_log(root / "mixed" / "train_log.jsonl"))

@@ -6,7 +6,9 @@ Checkpoints are atomic and carry everything needed for an exact `--resume`: draf
 the config the run was made with. Batches are a pure function of (seed, step), so a resumed run sees the batches
 the uninterrupted run would have seen. Data parallel under `torchrun` (gloo on CPU, nccl on GPU): each rank takes
 its slice of the global batch, normalises its loss by the global count of loss positions, and the gradients are
-summed across ranks, so every rank steps with exactly the single-process gradient of the global batch.
+summed across ranks, so every rank steps with exactly the single-process gradient of the global batch. With
+--fsdp the draft's own weights, their gradients and the optimizer state are sharded across the ranks (FSDP2) for
+drafts too large to replicate; the maths is the same, and checkpoints hold whole tensors in the same form either way.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import Eagle3Config, Eagle3Draft
-from eyas.train.ttt import ttt_loss
+from eyas.train.ttt import TTTOutput, ttt_loss
 
 
 @dataclass(slots=True)
@@ -56,6 +59,8 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     seed: int = 0
+    fsdp: bool = False  # shard the draft's trained weights, grads and optimizer state across torchrun ranks
+    device: str = "cpu"  # "cuda": each torchrun rank uses cuda:LOCAL_RANK
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.hidden_states is None):
@@ -120,7 +125,8 @@ def init_draft(target: DeepseekV3ForCausalLM, config: Eagle3Config, d2t: torch.T
         draft.t2d[rows] = True
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.lm_head.weight[rows])
-    return draft.to(target.lm_head.weight.dtype)
+    # initialised on the CPU (the same numbers whatever the device), then moved next to the target
+    return draft.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
@@ -170,9 +176,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     from eyas.checkpoint import load_model
     from eyas.engine.llm import load_tokenizer
 
-    rank, world = setup_distributed()
+    rank, world = setup_distributed(cfg.device)
+    device = train_device(cfg.device)
     out = Path(cfg.out)
-    target = load_model(cfg.target, dtype="float32")
+    target = load_model(cfg.target, dtype="float32", device=device)
     target.requires_grad_(False)
     L = target.config.num_hidden_layers
 
@@ -206,21 +213,28 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
         d2t, _ = calibrate_vocab(_examples_for_vocab(examples), target.config.vocab_size, draft_vocab)
     draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size)
     draft = init_draft(target, draft_config, d2t, seed=cfg.seed)
-    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head else ("embed_tokens",)
-    params = [p for name, p in draft.named_parameters() if not name.startswith(frozen)]
     if cfg.freeze_lm_head:
         draft.lm_head.requires_grad_(False)
+    loss_fn = TTTLoss(draft)
+    fsdp = cfg.fsdp and world > 1  # one rank has nothing to shard across
+    if fsdp:
+        shard_draft(loss_fn, world)  # before the optimizer: it must hold the sharded parameters
+    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head else ("embed_tokens",)
+    names, params = zip(*[(name, p) for name, p in draft.named_parameters() if not name.startswith(frozen)])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
     step = 0
     state_path = out / "checkpoint" / "state.pt"
     if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
+        state = torch.load(state_path, weights_only=True, map_location=device)
         if state["config"] != _comparable(cfg):
             raise ValueError(f"{state_path} was made with other settings; resume with the same ones "
                              f"(saved: {state['config']})")
-        draft.load_state_dict(state["draft"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
+        if fsdp:
+            load_sharded_state(draft, optimizer, state, names)
+        else:
+            draft.load_state_dict(state["draft"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     elif resume and rank == 0:
         print(f"no checkpoint at {state_path}; starting from step 0")
@@ -243,17 +257,18 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
-        batch = collate([examples[i] for i in indices], cfg.max_length)
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
         aux, target_logits = target_features(target, batch, aux_ids)
-        result = ttt_loss(draft, batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
-                          cfg.loss_decay)
+        result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps, cfg.loss_decay)
         counts = torch.stack(result.counts).detach()
         if world > 1:
             dist.all_reduce(counts)
         loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if world > 1:  # each rank's loss is its share of the global loss: summed gradients are the global gradient
+        # each rank's loss is its share of the global loss: summed gradients are the global gradient (under FSDP
+        # the backward pass has already reduce-scattered them, summed, into each rank's shard)
+        if world > 1 and not fsdp:
             for p in params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
@@ -277,8 +292,11 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
                 f.write(json.dumps(record) + "\n")
             if step % cfg.log_every == 0:
                 bar.set_postfix(loss=record["loss"], acc0=record["acc_per_step"][0])
-            if step % cfg.save_every == 0 or step == cfg.max_steps:
-                save_checkpoint(out, draft, optimizer, step, cfg)
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            if fsdp:  # gathering the shards takes every rank
+                save_sharded_checkpoint(out, draft, optimizer, step, cfg, names, rank)
+            elif rank == 0:
+                save_checkpoint(out, draft, optimizer.state_dict(), step, cfg)
         if on_step is not None:
             on_step(step, record)
     bar.close()
@@ -301,13 +319,12 @@ def _examples_for_vocab(examples):
 def _comparable(cfg: TrainConfig) -> dict:
     """The settings a resumed run must share with the run it continues (save cadence and logging may change)."""
     d = asdict(cfg)
-    for key in ("save_every", "log_every", "out"):
+    for key in ("save_every", "log_every", "out", "fsdp", "device"):
         d.pop(key)
     return d
 
 
-def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig) -> None:
+def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer_state: dict, step: int, cfg: TrainConfig) -> None:
     """Atomically: the training state (for --resume) and the draft itself in eyas's layout (for serving)."""
     from eyas.export import save_draft
 
@@ -315,9 +332,85 @@ def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimi
     ckpt.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
     tmp = ckpt / "state.pt.tmp"
-    torch.save({"draft": own, "optimizer": optimizer.state_dict(), "step": step, "config": _comparable(cfg)}, tmp)
+    torch.save({"draft": own, "optimizer": optimizer_state, "step": step, "config": _comparable(cfg)}, tmp)
     os.replace(tmp, ckpt / "state.pt")
     save_draft(draft, out / "draft", fmt="eyas")
+
+
+# -- sharding (--fsdp) -------------------------------------------------------------------------------------------
+
+class TTTLoss(nn.Module):
+    """`ttt_loss` as one module call. ttt_loss reaches into the draft's submodules and never calls draft.forward, so
+    FSDP needs a module whose forward spans the whole loss: its hooks gather the shards before the forward and
+    reduce-scatter the gradients after the backward."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                target_logits: torch.Tensor, ttt_steps: int, decay: float) -> TTTOutput:
+        return ttt_loss(self.draft, input_ids, loss_mask, aux_hidden_states, target_logits, ttt_steps, decay)
+
+
+def shard_draft(loss_fn: TTTLoss, world: int) -> None:
+    """FSDP2 over the draft's own weights, in place. fc, the MLP and lm_head (the large matrices, each called
+    through its forward) are units of their own, gathered around each call only; the rest of the layer (attention,
+    norms) is gathered by the root unit for the whole step. The embedding is the target's own module, run by the
+    target's forward too: it stays whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    draft = loss_fn.draft
+    mesh = init_device_mesh(draft.fc.weight.device.type, (world,))
+    units = [draft.fc, draft.layers[0].mlp, draft.lm_head]
+    for module in units:
+        fully_shard(module, mesh=mesh)
+    fully_shard(loss_fn, mesh=mesh, ignored_params=set(draft.embed_tokens.parameters()))
+    for module in [*units, loss_fn]:
+        # each rank's loss is already its share of the global loss (normalised by the global count of loss
+        # positions), so the ranks' gradients are summed, not averaged as FSDP does by default
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+
+
+def save_sharded_checkpoint(out: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, step: int,
+                            cfg: TrainConfig, names: tuple[str, ...], rank: int) -> None:
+    """save_checkpoint for a sharded draft; every rank must call it. The shards are gathered to rank 0 as whole CPU
+    tensors and written in exactly an unsharded run's form, so --resume works with or without --fsdp, at any world
+    size, and OUT/draft is the whole draft."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    whole = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, the others none
+    model_state = dcp.get_model_state_dict(draft, options=whole)
+    optimizer_state = dcp.get_optimizer_state_dict(draft, optimizer, options=whole)
+    if rank != 0:
+        return
+    # a plain draft to export: built on the meta device (no memory, no draw on the global RNG), then every tensor of
+    # its own is assigned from the gathered state; the embedding stays the target's module
+    with torch.device("meta"):
+        plain = Eagle3Draft(draft.config, draft.embed_tokens)
+    own = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens")}
+    missing = plain.load_state_dict(own, strict=False, assign=True).missing_keys
+    assert all(k.startswith("embed_tokens") for k in missing), missing
+    save_checkpoint(out, plain, _renumber(optimizer_state, {name: i for i, name in enumerate(names)}), step, cfg)
+
+
+def load_sharded_state(draft: Eagle3Draft, optimizer: torch.optim.Optimizer, state: dict,
+                       names: tuple[str, ...]) -> None:
+    """Load a checkpoint's whole tensors into a sharded draft and its optimizer; each rank keeps its shards."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    options = dcp.StateDictOptions(full_state_dict=True, strict=False)  # the embedding is not in the checkpoint
+    dcp.set_model_state_dict(draft, state["draft"], options=options)
+    dcp.set_optimizer_state_dict(draft, optimizer, _renumber(state["optimizer"], names), options=options)
+
+
+def _renumber(optimizer_state: dict, key) -> dict:
+    """optimizer.state_dict() numbers the parameters in order (0, 1, ...); torch.distributed.checkpoint names them
+    ("fc.weight", ...). `key` maps one to the other: the names in order, or {name: number}."""
+    return {"state": {key[k]: s for k, s in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optimizer_state["param_groups"]]}
 
 
 def plot_log(log_path: Path, png: Path) -> None:
@@ -342,11 +435,22 @@ def plot_log(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def setup_distributed() -> tuple[int, int]:
+def setup_distributed(device: str = "cpu") -> tuple[int, int]:
+    """(rank, world size) under torchrun, else (0, 1). The backend follows where the tensors live: nccl for CUDA
+    tensors, gloo for CPU ones (nccl cannot reduce CPU tensors, even on a machine with a GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
     return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def train_device(device: str) -> torch.device:
+    """This process's device: under torchrun each rank takes its own GPU (LOCAL_RANK)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device
 
 
 def add_cli(subparsers) -> None:
@@ -385,8 +489,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="under torchrun, shard the draft's trained parameters, "
+                   "gradients and optimizer state across the ranks, for drafts too large to replicate (same maths "
+                   "as plain data parallel; checkpoints hold whole tensors, so --resume works with or without it)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
     p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun, each rank uses cuda:LOCAL_RANK; "
+                   "nccl then, gloo on CPU)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -400,7 +509,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       ttt_steps=args.ttt_steps,
                       loss_decay=args.loss_decay, lr=args.lr, warmup_steps=args.warmup_steps,
                       max_steps=args.max_steps, batch_size=args.batch_size, max_length=args.max_length,
-                      grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed)
+                      grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed, fsdp=args.fsdp,
+                      device=args.device)
     record = train(cfg, resume=args.resume)
     print(json.dumps(record))
     return 0
