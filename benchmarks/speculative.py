@@ -2,6 +2,8 @@
 
     python benchmarks/speculative.py --synthetic-acceptance-rate 0.8      # engine overhead, K = 3
     python benchmarks/speculative.py --speculative-method eagle --draft-model DIR
+    python benchmarks/speculative.py --speculative-method eagle \
+        --draft-model examples/tiny-deepseek-v3-eagle3-mla --prompts examples/prompts/eval.jsonl
 
 With --synthetic-acceptance-rate each draft position is accepted with that probability whatever the draft says
 (the output is then not the target's), so the figure measures the engine's overhead apart from draft quality:
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best is kept")
+    ap.add_argument("--prompts", type=Path, help="eval prompts file ({category, turns} records): the first turn of "
+                    "each, as a chat message, instead of the built-in code snippets")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -46,12 +50,14 @@ def main() -> None:
                                draft_model=str(args.draft_model) if args.draft_model else None,
                                num_speculative_tokens=args.num_speculative_tokens,
                                synthetic_acceptance_rate=args.synthetic_acceptance_rate)
-    max_seqs = max(args.batch_sizes)
-    plain = LLM(args.model, max_num_seqs=max_seqs)
-    spec = LLM(args.model, max_num_seqs=max_seqs, speculative_config=config)
-    prompts = ["def parse_args(argv):\n", "import os\n\n\nclass Config:\n", "    for line in lines:\n",
+    prompts: list = ["def parse_args(argv):\n", "import os\n\n\nclass Config:\n", "    for line in lines:\n",
                "def main():\n    ", "# utility functions\n", "class Error(Exception):\n", "    if not path:\n",
                "import sys\n"]
+    if args.prompts:
+        from eyas.eval.acceptance import read_prompts
+
+        prompts = [[{"role": "user", "content": r["turns"][0] if r["turns"] else r["prompt"]}]
+                   for r in read_prompts(args.prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rate = args.synthetic_acceptance_rate
     print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "
@@ -59,14 +65,17 @@ def main() -> None:
           f"threads {args.threads}, {args.new_tokens} new tokens, greedy")
     print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accept len':>11}  same tokens")
     for batch in args.batch_sizes:
-        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        # at most `batch` sequences at a time; with --prompts every prompt runs (batch 1: one after another)
+        plain = LLM(args.model, max_num_seqs=batch)
+        spec = LLM(args.model, max_num_seqs=batch, speculative_config=config)
+        batch_prompts = prompts if args.prompts else [prompts[i % len(prompts)] for i in range(batch)]
         timed(plain, batch_prompts, SamplingParams(temperature=0, max_tokens=8))  # warm-up
         timed(spec, batch_prompts, SamplingParams(temperature=0, max_tokens=8))
         plain_s, plain_out = min((timed(plain, batch_prompts, params) for _ in range(args.repeats)),
                                  key=lambda r: r[0])
         spec_s, spec_out = min((timed(spec, batch_prompts, params) for _ in range(args.repeats)),
                                key=lambda r: r[0])
-        total = batch * args.new_tokens
+        total = len(batch_prompts) * args.new_tokens
         al = sum(o.acceptance_length for o in spec_out) / len(spec_out)
         same = all(a.token_ids == b.token_ids for a, b in zip(plain_out, spec_out))
         print(f"{batch:>5} {total / plain_s:>12.1f} {total / spec_s:>11.1f} {plain_s / spec_s:>7.2f}x "

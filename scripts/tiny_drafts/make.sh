@@ -16,7 +16,7 @@ W=work/drafts
 SRC=work/tiny_target/conversations_train.jsonl
 HALF=${HALF:-2020}                       # conversations in the first half of $SRC
 NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-1024}
-STEPS=${STEPS:-3000}
+STEPS=${STEPS:-2400}
 mkdir -p $W
 
 tail -n +$((HALF + 1)) $SRC > $W/train_b.jsonl
