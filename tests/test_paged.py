@@ -178,15 +178,19 @@ def test_paged_mha_attention_with_groups():
         tables.append(blocks)
         for p in range(len(kv)):
             cache[blocks[p // block_size] * block_size + p % block_size] = kv[p]
-    attn = AttentionMetadata.build(q_lens, lengths, tables, block_size)
+    kv_starts = [3, 0, 2]  # sequences 0 and 2 attend only from these positions on
+    attn = AttentionMetadata.build(q_lens, lengths, tables, block_size, kv_starts=kv_starts)
     assert len(attn.groups) == 2
     q = torch.randn(sum(q_lens), heads, dim)
     out = paged_attention(q, cache, attn, scale=dim ** -0.5)
     start = 0
-    for kv, n, ql in zip(keys, lengths, q_lens):
+    for kv, n, ql, first in zip(keys, lengths, q_lens, kv_starts):
         k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, n, dim]
         v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
+        keys_pos = torch.arange(n)[None, :]
+        mask = (keys_pos <= torch.arange(n - ql, n)[:, None]) & (keys_pos >= first)
         ref = F.scaled_dot_product_attention(q[start:start + ql].transpose(0, 1), k, v, attn_mask=mask)
         torch.testing.assert_close(out[start:start + ql], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
         start += ql
+    with pytest.raises(ValueError, match="keys start"):
+        AttentionMetadata.build([2], [5], [[0, 1]], block_size, kv_starts=[4])

@@ -133,6 +133,32 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
 
 
 @pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
+def test_drafting_resumes_when_the_batch_shrinks(request, checkpoint):
+    """Three running: no drafts; once one finishes, the other two draft again, attending only to the positions
+    computed since. Output equals plain greedy throughout."""
+    path = request.getfixturevalue(checkpoint)
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, disable_batch_size=3)
+    prompts = [[5, 6], [7, 8, 9, 10], [11]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 40, 40)]
+    llm = LLM(path, speculative_config=config)
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    context_start = None
+    while llm.scheduler.has_work():
+        llm.step()
+        if context_start is None and seqs[0].is_finished:  # the draft's cache misses everything computed so far
+            context_start = [s.num_computed for s in seqs[1:]]
+            assert [s.draft_context_start for s in seqs[1:]] == context_start and min(context_start) >= 6
+    assert [s.draft_context_start for s in seqs[1:]] == context_start  # unchanged while drafting
+    spec = [llm.output(s) for s in seqs]
+    plain = LLM(path).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[0].num_drafted == 0 and spec[1].num_drafted > 0 and spec[2].num_drafted > 0
+    if checkpoint == "copying_mtp":  # the rig's drafts need no context: acceptance is back in full
+        assert min(spec[1].acceptance_length, spec[2].acceptance_length) > 3
+    assert llm.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
 def test_logprobs_are_the_targets_own(request, checkpoint):
     """Each returned log-probability is the target's log-softmax at that position (a full forward over the
     output recomputes them), whether the token came from a plain step or from an accepted draft."""

@@ -126,9 +126,9 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
                    '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
     s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
-                   help="draft nothing while N or more sequences run (verifying K + 1 rows per sequence costs more "
-                   "than it saves once a step is compute-bound); the draft keeps its cache, so drafting resumes at "
-                   "full acceptance when the batch shrinks")
+                   help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
+                   "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
+                   "batch shrinks, drafting resumes with the draft attending to the positions computed since")
     s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "

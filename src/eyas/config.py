@@ -375,8 +375,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     # [{"batch_start": 1, "batch_end": 16, "num_tokens": 3}, ...]: K by running batch size (inclusive bounds)
     num_speculative_tokens_per_batch_size: list[dict] = field(default_factory=list)
-    # no drafts while this many sequences or more are running: where verifying K + 1 rows costs more than the
-    # accepted drafts save (compute-bound batches); the draft's cache is still filled, so drafting resumes at once
+    # no draft work while this many sequences or more are running: where verifying K + 1 rows costs more than the
+    # accepted drafts save (compute-bound batches). Steps then cost what plain steps cost; when drafting resumes, the
+    # draft attends only to the positions computed since (the target's hidden states still carry the context)
     disable_batch_size: int | None = None
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None

@@ -21,8 +21,9 @@ class ModelRunner:
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
 
-    def metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+    def metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                 kv_starts: list[int] | None = None) -> AttentionMetadata:
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device, kv_starts)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, aux_hidden_state_ids: tuple[int, ...] = ()):

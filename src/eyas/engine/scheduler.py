@@ -85,6 +85,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.num_computed = 0
+        seq.draft_context_start = 0
         seq.draft_tokens = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

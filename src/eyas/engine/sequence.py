@@ -33,6 +33,9 @@ class Sequence:
         self.num_computed = 0  # tokens whose KV entries are in the cache
         self.block_table: list[int] = []  # shared by the target's cache and the draft's
         self.draft_tokens: list[int] = []  # proposed last step, verified next step
+        # the draft's cache holds this sequence's positions from here on; those before were computed while
+        # drafting was off (SpeculativeConfig.disable_batch_size), and the draft does not attend to them
+        self.draft_context_start = 0
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_verify_steps = 0

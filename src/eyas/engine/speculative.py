@@ -154,9 +154,14 @@ class SpeculativeDecoder:
     def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
                  num_running: int) -> None:
         k_target = self.config.num_tokens_for_batch(num_running)
+        if k_target == 0:  # drafting is off at this batch size: no draft work at all, so no cost over plain decoding
+            for seq in seqs:  # the draft's cache misses the positions computed now; it attends after them later
+                seq.draft_context_start = seq.num_computed
+            return
         device = self.runner.device
         draft_in = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
-        attn = self.runner.metadata(lens, [s.num_computed for s in seqs], [s.block_table for s in seqs])
+        attn = self.runner.metadata(lens, [s.num_computed for s in seqs], [s.block_table for s in seqs],
+                                    [s.draft_context_start for s in seqs])
         prenorm = self.draft(draft_in, torch.tensor(next_tokens, device=device), attn, self.draft_cache)
         last_rows = torch.tensor(lens).cumsum(0) - 1
         # how many drafts each sequence gets: K, capped by its remaining budget, the context and free blocks
@@ -183,7 +188,8 @@ class SpeculativeDecoder:
             active = [active[j] for j in keep]
             positions = [positions[j] + 1 for j in keep]
             attn = self.runner.metadata([1] * len(active), [p + 1 for p in positions],
-                                        [seqs[i].block_table for i in active])
+                                        [seqs[i].block_table for i in active],
+                                        [seqs[i].draft_context_start for i in active])
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
             tokens_k = self._append_drafts(hidden_k, active, seqs, budgets)
         for seq in seqs:  # back to the committed state: drafts are verified next step

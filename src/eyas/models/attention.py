@@ -49,8 +49,10 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are computed this step."""
+              device: torch.device | str = "cpu", kv_starts: list[int] | None = None) -> AttentionMetadata:
+        """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are computed this step.
+        With `kv_starts`, sequence b attends only to positions from kv_starts[b] on (its queries must lie there)."""
+        kv_starts = kv_starts or [0] * len(query_lens)
         positions, slot_mapping, seq_slots, starts = [], [], [], []
         row = 0
         for b, (q_len, s_len, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
@@ -58,6 +60,8 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {b}: query length {q_len} must be in 1..seq_len={s_len}")
             if len(blocks) * block_size < s_len:
                 raise ValueError(f"sequence {b}: {len(blocks)} blocks of {block_size} cannot hold {s_len} tokens")
+            if not 0 <= kv_starts[b] <= s_len - q_len:
+                raise ValueError(f"sequence {b}: keys start at {kv_starts[b]}, after its first query {s_len - q_len}")
             pos = torch.arange(s_len)
             slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
             seq_slots.append(slots)
@@ -67,13 +71,13 @@ class AttentionMetadata:
             row += q_len
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         members = ([short] if short else []) + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY]
-        groups = [_group(m, query_lens, seq_lens, seq_slots, starts, device) for m in members]
+        groups = [_group(m, query_lens, seq_lens, kv_starts, seq_slots, starts, device) for m in members]
         return cls(positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slot_mapping).to(device),
                    groups=groups)
 
 
-def _group(members: list[int], query_lens: list[int], seq_lens: list[int], seq_slots: list[torch.Tensor],
-           starts: list[int], device) -> AttentionGroup:
+def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_starts: list[int],
+           seq_slots: list[torch.Tensor], starts: list[int], device) -> AttentionGroup:
     batch = len(members)
     max_q, max_s = max(query_lens[b] for b in members), max(seq_lens[b] for b in members)
     query_rows = torch.zeros(batch, max_q, dtype=torch.long)
@@ -88,7 +92,8 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], seq_s
         query_rows[g, :q_len] = torch.arange(starts[b], starts[b] + q_len)
         query_valid[g, :q_len] = True
         q_pos = torch.arange(s_len - q_len, s_len)
-        visible = key_pos[None, :] <= q_pos[:, None]  # [q_len, max_s]; also hides padding past s_len
+        # [q_len, max_s]; also hides padding past s_len
+        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] >= kv_starts[b])
         attn_bias[g, 0, :q_len].masked_fill_(visible, 0.0)
         rows.append(query_rows[g, :q_len])
     # padded query rows see key 0 so their softmax stays finite; their outputs are dropped
