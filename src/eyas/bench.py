@@ -4,8 +4,10 @@ like `vllm bench serve`.
     eyas bench serve --speculative-method mtp --num-speculative-tokens 3 --concurrency 1 4 16
     eyas bench serve --base-url http://127.0.0.1:8000 --dataset prompts.jsonl --request-rate 8
 
-Without --base-url it serves --model itself, in this process, on a free loopback port: once plain and, with a
---speculative-method, once speculative, one server at a time so the two never share the CPU. The load runs in this
+Without --base-url it serves --model itself, in this process, on a free loopback port: once plain and once
+speculative (the speculative arguments as `eyas serve` reads them: the bundled target drafts with its bundled MLA
+draft unless told otherwise; `--speculative-method none` runs plain only), one server at a time so the two never
+share the CPU. The load runs in this
 process too, so on CPU the client's Python competes with the engine thread for the GIL; both servers pay that cost
 alike. Every request sends `ignore_eos` and `max_tokens`, so every output has the length the load asked for.
 
