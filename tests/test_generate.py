@@ -144,6 +144,20 @@ def test_cli_json_output(text_checkpoint, capsys, tmp_path):
     assert set(record) >= {"text", "token_ids", "num_generated", "tokens_per_second"}
 
 
+def test_cli_chat_prompt_uses_the_template(text_checkpoint, capsys):
+    llm = LLM(text_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    chat = llm.generate([[{"role": "user", "content": "hi"}]], params)[0].token_ids
+    raw = llm.generate(["hi"], params)[0].token_ids
+    outputs = []
+    for flag in (["--chat"], []):
+        code, out, err = run_cli(["generate", "--model", str(text_checkpoint), "--prompt", "hi", *flag,
+                                  "--max-new-tokens", "5", "--ignore-eos", "--json"], capsys)
+        assert code == 0, err
+        outputs.append(json.loads(out)["token_ids"])
+    assert chat != raw and outputs == [chat, raw]
+
+
 def test_cli_missing_directory(capsys, tmp_path):
     code, _, err = run_cli(["generate", "--model", str(tmp_path / "nope")], capsys)
     assert code != 0 and "nope" in err and "no such" in err

@@ -45,10 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads, args.device)
     if args.prompt_file:
         prompts = _read_prompt_file(args.prompt_file)
-    elif args.prompt is not None:
-        prompts = list(args.prompt)
     else:
-        prompts = ["def fibonacci(n):\n"]
+        prompts = list(args.prompt) if args.prompt is not None else ["def fibonacci(n):\n"]
+        if args.chat:
+            prompts = [[{"role": "user", "content": p}] for p in prompts]
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or [],
                             ignore_eos=args.ignore_eos)
@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               accepted_per_position=[round(a, 4) for a in out.accepted_per_position])
             print(json.dumps(record))
         else:
-            shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+            shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "").rstrip("\n") + "\n"
             print(f"{shown}\033[1m{out.text}\033[0m" if sys.stdout.isatty() else shown + out.text)
             spec = f", acceptance length {out.acceptance_length:.2f}" if llm.speculative is not None else ""
             print(f"-- {out.num_generated} tokens, {out.tokens_per_second:.1f} tok/s, {out.finish_reason}{spec}",
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the bundled tiny DeepSeek-V3)")
     g.add_argument("--prompt", action="append", help="a text prompt; repeat for a batch")
     g.add_argument("--prompt-file", type=Path, help="JSONL file of prompts")
+    g.add_argument("--chat", action="store_true", help="send each --prompt as a user message, rendered with the "
+                   "tokenizer's chat template (as a chat endpoint would), instead of as raw text")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 is off")
