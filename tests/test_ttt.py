@@ -104,3 +104,51 @@ def test_loss_is_soft_cross_entropy_over_the_draft_vocab(target):
         assert abs(out.loss_sums[k].item() - expected_sum) < 1e-3
     total = sum(0.5 ** k * out.loss_sums[k] / out.counts[k] for k in range(2))
     assert abs(out.loss.item() - total.item()) < 1e-5
+
+
+def dense_ttt_loss(draft, ids, mask, aux, target_logits, steps, decay):
+    """The TTT loss with every row computed at every step (what ttt_loss prunes), written out plainly."""
+    from eyas.train.ttt import target_log_probs
+
+    T = ids.shape[1]
+    target_lp, in_vocab = target_log_probs(target_logits, draft)
+    hidden, past, total = draft.fc(aux.flatten(-2)), [], 0.0
+    for k in range(steps):
+        tokens = torch.nn.functional.pad(ids[:, 1 + k:], (0, 1 + k))
+        hidden, kv = draft_step(draft, hidden, tokens, torch.arange(T) + k, past)
+        past.append(kv)
+        logits = draft.lm_head(draft.norm(hidden)).float().log_softmax(-1)[:, :T - 2 - k]
+        weight = mask[:, 2 + k:] * in_vocab[:, 1 + k:T - 1]
+        ce = -(target_lp[:, 1 + k:T - 1].exp() * logits).sum(-1)
+        total = total + decay ** k * (ce * weight).sum() / weight.sum().clamp(min=1)
+    return total
+
+
+@pytest.mark.parametrize("arch", ["mla", "mha"])
+def test_pruned_rows_give_the_dense_loss_and_gradients(target, arch):
+    """ttt_loss computes only the rows some loss needs; loss and every gradient equal computing all rows, with
+    prompt rows, right padding and a sequence with no loss rows at all in the batch."""
+    draft = make_draft(target, arch, draft_vocab=40)
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 14
+    ids = torch.randint(0, 96, (B, T), generator=g)
+    aux = torch.randn(B, T, 3, 32, generator=g)
+    target_logits = torch.randn(B, T, 96, generator=g)
+    mask = torch.zeros(B, T)
+    mask[0, 5:] = 1  # a prompt, then the answer
+    mask[1, 3:9] = 1  # an answer, then padding
+    # row 2: no loss at all
+    losses, grads = [], []
+    for fn in (lambda: ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8).loss,
+               lambda: dense_ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8)):
+        draft.zero_grad()
+        loss = fn()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[1])
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
+    empty = ttt_loss(draft, ids, torch.zeros(B, T), aux, target_logits, 3, 0.8)
+    assert empty.loss.item() == 0 and all(c.item() == 0 for c in empty.counts)

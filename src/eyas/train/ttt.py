@@ -70,51 +70,79 @@ def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag
 
 
 def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-               past: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One TTT step over [B, T]: returns the pre-norm output and this step's (k, v). `past` holds (k, v) of the
-    earlier steps, step 0 first."""
+               past: list[tuple[torch.Tensor, torch.Tensor]],
+               rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor,
+                                                                                           torch.Tensor]]:
+    """One TTT step. Dense: hidden [B, T, H], tokens [B, T], positions [T]; returns the pre-norm output [B, T, H] and
+    this step's (k, v) [B, T, ...]. With `rows` = (batch index, position) [N] each, hidden [N, H], tokens [N] and
+    positions [N] hold only those rows: their q, k, v are placed in the dense layout for attention (other rows stay
+    zero; no query that is kept reads them, since a later step's key is visible at its own position only) and the
+    output is [N, H]. `past` holds the dense (k, v) of the earlier steps, step 0 first."""
     layer = draft.layers[0]
     attn = layer.self_attn
     x = torch.cat([layer.input_layernorm(draft.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
     cos, sin = draft.rotary(positions)
     q, k, v = attn.expanded_qkv(x, cos, sin)
+    if rows is not None:
+        batch, length = past[0][0].shape[:2]
+        q, k, v = (_scatter_rows(t, rows, batch, length) for t in (q, k, v))
     if past:
         (k0, v0), later = past[0], past[1:]
         out = extended_attention(q, k0, v0, [kk for kk, _ in later] + [k], [vv for _, vv in later] + [v], attn.scale)
     else:
         out = extended_attention(q, k, v, [], [], attn.scale)
+    if rows is not None:
+        out = out[rows]
     h = hidden + attn.o_proj(out.flatten(-2))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
 
+def _scatter_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], batch: int,
+                  length: int) -> torch.Tensor:
+    dense = values.new_zeros(batch, length, *values.shape[1:])
+    return dense.index_put(rows, values)
+
+
 def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
              target_logits: torch.Tensor, ttt_steps: int = 3, decay: float = 0.9) -> TTTOutput:
-    """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [B, T, vocab]."""
+    """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [B, T, vocab].
+
+    Only rows that some loss needs are computed past step 0's attention: step k keeps position t when a counted
+    target exists at t for step k or a later one (a row's chain never looks at another row's later steps). Prompt and
+    padding rows cost their step-0 keys and nothing else; the loss is the same as computing every row."""
     B, T = input_ids.shape
     if T < ttt_steps + 2:
         raise ValueError(f"sequences of {T} tokens are too short for {ttt_steps} TTT steps (need >= {ttt_steps + 2})")
     target_lp, in_vocab = target_log_probs(target_logits, draft)  # [B, T, draft_vocab], [B, T]
-    hidden = draft.fc(aux_hidden_states.flatten(-2).to(draft.fc.weight.dtype))  # [B, T, H]
-    past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total = hidden.new_zeros((), dtype=torch.float32)
-    loss_sums, counts, correct = [], [], []
+    # weights[k][b, t]: position t's step-k prediction (token t + 2 + k) is counted
+    weights = [F.pad(loss_mask[:, 2 + k:].float() * in_vocab[:, 1 + k:T - 1].float(), (0, 2 + k))
+               for k in range(ttt_steps)]
+    needed = [torch.stack(weights[k:]).sum(0) > 0 for k in range(ttt_steps)]  # [B, T] rows step k must compute
     base = torch.arange(T, device=input_ids.device)
+    # step 0, dense: every position's key and value are context for the later positions
+    hidden = draft.fc(aux_hidden_states.flatten(-2).to(draft.fc.weight.dtype))  # [B, T, H]
+    prenorm, kv = draft_step(draft, hidden, F.pad(input_ids[:, 1:], (0, 1)), base, [])
+    past = [kv]
+    rows = needed[0].nonzero(as_tuple=True)
+    prenorm = prenorm[rows]  # [N_0, H]
+    total = prenorm.new_zeros((), dtype=torch.float32)
+    loss_sums, counts, correct = [], [], []
     for k in range(ttt_steps):
-        # tokens t + 1 + k and targets t + 2 + k run off the end for the last positions: pad and mask them
-        n = T - 1 - k  # positions with an input token
-        tokens = F.pad(input_ids[:, 1 + k:], (0, T - n))
-        prenorm, kv = draft_step(draft, hidden, tokens, base + k, past)
-        past.append(kv)
-        logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [B, T, draft_vocab]
-        m = T - 2 - k  # positions with a target
-        weight = (loss_mask[:, 2 + k:].float() * in_vocab[:, 1 + k:T - 1].float())  # [B, m]
-        target = target_lp[:, 1 + k:T - 1]  # [B, m, draft_vocab]: target position t + 1 + k
-        ce = -(target.exp() * logits[:, :m]).sum(-1)  # [B, m]
+        if k > 0:  # the rows still needed, a subset of the last step's (in the same row-major order)
+            prenorm = prenorm[needed[k][needed[k - 1]]]
+            rows = needed[k].nonzero(as_tuple=True)
+            b, t = rows
+            prenorm, kv = draft_step(draft, prenorm, input_ids[b, t + 1 + k], t + k, past, rows)
+            past.append(kv)
+        b, t = rows
+        logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [N_k, draft_vocab]
+        weight = weights[k][rows]  # [N_k]
+        target = target_lp[b, (t + 1 + k).clamp(max=T - 1)]  # target position t + 1 + k (counted rows: < T - 1)
+        ce = -(target.exp() * logits).sum(-1)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
         counts.append(count)
-        correct.append(((logits[:, :m].argmax(-1) == target.argmax(-1)).float() * weight).sum())
+        correct.append(((logits.argmax(-1) == target.argmax(-1)).float() * weight).sum())
         total = total + decay ** k * loss_sum / count.clamp(min=1)
-        hidden = prenorm
     return TTTOutput(loss=total, loss_sums=loss_sums, counts=counts, correct=correct)
