@@ -248,8 +248,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     log_path = out / "train_log.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        if step == 0 and log_path.exists():
-            log_path.unlink()
+        if log_path.exists():  # drop records past the checkpoint: the steps after it are about to be rerun
+            kept = [line for line in log_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            log_path.write_text("".join(line + "\n" for line in kept))
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
     record: dict = {}
     tokens, start = 0, time.perf_counter()
