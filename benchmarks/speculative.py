@@ -41,8 +41,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best is kept")
-    ap.add_argument("--prompts", type=Path, help="eval prompts file ({category, turns} records): the first turn of "
-                    "each, as a chat message, instead of the built-in code snippets")
+    ap.add_argument("--prompts", type=Path, help="JSONL prompts as `eyas generate --prompt-file` reads them (an eval "
+                    "file's first turns are chat messages), instead of the built-in code snippets")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -54,10 +54,9 @@ def main() -> None:
                "def main():\n    ", "# utility functions\n", "class Error(Exception):\n", "    if not path:\n",
                "import sys\n"]
     if args.prompts:
-        from eyas.eval.acceptance import read_prompts
+        from eyas.cli import _read_prompt_file
 
-        prompts = [[{"role": "user", "content": r["turns"][0] if r["turns"] else r["prompt"]}]
-                   for r in read_prompts(args.prompts)]
+        prompts = _read_prompt_file(args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rate = args.synthetic_acceptance_rate
     print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "

@@ -133,12 +133,14 @@ def run_cli(args, capsys):
 def test_cli_json_output(text_checkpoint, capsys, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "ab"}) + "\n"
-                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+                       + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                       + json.dumps({"category": "x", "turns": ["hi", "more"]}) + "\n")
     code, out, err = run_cli(["generate", "--model", str(text_checkpoint), "--prompt-file", str(prompts),
                               "--max-new-tokens", "5", "--ignore-eos", "--json"], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
+    assert json.loads(lines[2])["token_ids"] == json.loads(lines[1])["token_ids"]  # a first turn is a user message
     record = json.loads(lines[0])
     assert record["num_generated"] == 5 and len(record["token_ids"]) == 5
     assert set(record) >= {"text", "token_ids", "num_generated", "tokens_per_second"}

@@ -89,8 +89,8 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 
 
 def file_requests(path: Path, num: int | None, output_len: int) -> list[BenchRequest]:
-    """JSONL records with a `prompt` string (/v1/completions) or chat `messages` (/v1/chat/completions),
-    repeated in order up to `num`."""
+    """JSONL records with a `prompt` string (/v1/completions), chat `messages` or `turns` (/v1/chat/completions;
+    the first turn), repeated in order up to `num`."""
     from eyas.cli import _read_prompt_file
 
     prompts = _read_prompt_file(path)
@@ -416,7 +416,7 @@ def add_cli(subparsers) -> None:
                    "or the first of --base-url's /v1/models)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (with --base-url)")
     p.add_argument("--dataset", default="random", help="'random' (token-id prompts) or a JSONL file of "
-                   "{\"prompt\": ...} or {\"messages\": [...]} records")
+                   "{\"prompt\": ...}, {\"messages\": [...]} or {\"turns\": [...]} records")
     p.add_argument("--num-prompts", type=int, help="requests per run (default: 100 random, or the file's records)")
     p.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")

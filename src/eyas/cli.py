@@ -12,17 +12,22 @@ from eyas.engine.llm import DEFAULT_MODEL
 
 
 def _read_prompt_file(path: Path) -> list[str | list[dict]]:
-    """JSONL, one object per line with a `prompt` string or chat `messages`."""
+    """JSONL, one object per line with a `prompt` string, chat `messages`, or MT-Bench-style `turns` (the first
+    turn is sent as a user message; `eyas eval` files read as they are)."""
     from eyas.train.data import iter_records
 
     prompts = []
     for lineno, record in iter_records(path):
+        turns = record.get("turns")
         if isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record.get("messages"), list):
             prompts.append(record["messages"])
+        elif isinstance(turns, list) and turns and isinstance(turns[0], str):
+            prompts.append([{"role": "user", "content": turns[0]}])
         else:
-            raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string or a 'messages' list")
+            raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string, a 'messages' list or a "
+                             "'turns' list of strings")
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -153,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="run the target on prompts (batched, paged KV cache)",
                        description="Generate continuations. Prompts come from --prompt (repeatable) or "
-                       "--prompt-file (JSONL: {\"prompt\": ...} or {\"messages\": [...]} per line, chat rendered by "
-                       "the tokenizer's template). Greedy by default (--temperature 0).")
+                       "--prompt-file (JSONL: {\"prompt\": ...}, {\"messages\": [...]} or {\"turns\": [...]} per "
+                       "line, chat rendered by the tokenizer's template). Greedy by default (--temperature 0).")
     g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF checkpoint directory of the target "
                    "(default: the bundled tiny DeepSeek-V3)")
     g.add_argument("--prompt", action="append", help="a text prompt; repeat for a batch")
