@@ -9,7 +9,7 @@
 # 2. calibrate-vocab: the 2,048 most frequent answer tokens of the regenerated data (of 8,192)
 # 3. dump-hidden-states: the target's aux and last hidden states, once, for both drafts
 # 4. train: the MLA and the MHA draft, offline, in parallel
-# 5. copy both drafts into examples/ and evaluate them (and MTP) on the held-out prompts
+# 5. copy both drafts into examples/ and evaluate them (and MTP, and the MLA draft in FP8) on the held-out prompts
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=work/drafts
@@ -44,3 +44,6 @@ for arch in mla mha; do
     --draft-model examples/tiny-deepseek-v3-eagle3-$arch --out $W/eval-$arch.json
 done
 eyas eval examples/prompts/eval.jsonl --speculative-method mtp --out $W/eval-mtp.json
+# the MLA draft quantized to FP8 blocks (weight-only), evaluated the same way
+eyas quantize-draft --fp8 examples/tiny-deepseek-v3-eagle3-mla $W/mla-fp8
+eyas eval examples/prompts/eval.jsonl --speculative-method eagle --draft-model $W/mla-fp8 --out $W/eval-mla-fp8.json
