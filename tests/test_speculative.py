@@ -277,3 +277,21 @@ def test_seeded_speculative_sampling_does_not_depend_on_the_batch(random_mtp):
     alone = LLM(random_mtp, speculative_method="mtp").generate([[5, 6, 7]], seeded)[0]
     batched = LLM(random_mtp, speculative_method="mtp").generate([[9, 9], [5, 6, 7], [4]], [other, seeded, other])[1]
     assert alone.token_ids == batched.token_ids
+
+
+def test_disable_batch_size_defaults_by_device():
+    import argparse
+
+    from eyas.cli import CPU_DISABLE_BATCH_SIZE, add_speculative_args, speculative_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    add_speculative_args(parser)
+
+    def config(*argv):
+        return speculative_config(parser.parse_args(["--speculative-method", "mtp", *argv]))
+
+    assert config().disable_batch_size == CPU_DISABLE_BATCH_SIZE
+    assert config("--device", "cuda").disable_batch_size is None
+    assert config("--speculative-disable-batch-size", "0").disable_batch_size is None
+    assert config("--device", "cuda", "--speculative-disable-batch-size", "5").disable_batch_size == 5

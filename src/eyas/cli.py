@@ -111,11 +111,22 @@ def speculative_config(args: argparse.Namespace):
     return SpeculativeConfig(
         method=method, draft_model=str(draft) if draft else None,
         num_speculative_tokens=args.num_speculative_tokens, num_speculative_tokens_per_batch_size=per_batch,
-        disable_batch_size=args.speculative_disable_batch_size,
+        disable_batch_size=disable_batch_size(args),
         rejection_sampling_strategy=args.rejection_sampling_strategy,
         synthetic_acceptance_rate=args.synthetic_acceptance_rate, relaxed_thinking=args.relaxed_thinking,
         relaxed_thinking_topk=args.relaxed_thinking_topk, relaxed_thinking_delta=args.relaxed_thinking_delta,
         aux_layer_convention=args.aux_layer_convention)
+
+
+CPU_DISABLE_BATCH_SIZE = 8  # measured with `eyas bench serve` on the bundled target: drafting loses from c=16
+
+
+def disable_batch_size(args: argparse.Namespace) -> int | None:
+    """--speculative-disable-batch-size, or its device default: on CPU a verify step of K + 1 rows per sequence is
+    compute-bound well before a GPU's would be; on GPUs drafting stays on (0 turns it off everywhere)."""
+    if args.speculative_disable_batch_size is not None:
+        return args.speculative_disable_batch_size or None
+    return CPU_DISABLE_BATCH_SIZE if str(getattr(args, "device", "cpu")).startswith("cpu") else None
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +144,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
                    help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
                    "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
-                   "batch shrinks, drafting resumes with the draft attending to the positions computed since")
+                   "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
+                   f"Default: {CPU_DISABLE_BATCH_SIZE} on CPU, off on GPUs; 0: never disable")
     s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "

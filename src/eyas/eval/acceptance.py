@@ -130,6 +130,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     spec = speculative_config(args)
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
+    spec.disable_batch_size = args.speculative_disable_batch_size or None  # acceptance is measured: draft always
     records = read_prompts(args.prompts)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec)
     params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
