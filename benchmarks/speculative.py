@@ -25,7 +25,7 @@ from eyas.engine.llm import DEFAULT_MODEL
 
 
 def timed(llm: LLM, prompts: list, params: SamplingParams):
-    if llm.speculative is not None:  # every repeat draws the same synthetic acceptances: the fastest is not the luckiest
+    if llm.speculative is not None:  # each repeat draws the same synthetic acceptances: fastest is not luckiest
         llm.speculative.accept.generator.manual_seed(0)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
