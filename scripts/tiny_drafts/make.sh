@@ -5,8 +5,9 @@
 #   bash scripts/tiny_drafts/make.sh            # needs work/tiny_target/ from scripts/tiny_target/build_data.py
 #
 # 1. regenerate: the target's own greedy answers to the training conversations (two halves in parallel, one CPU
-#    thread each; NUM_CONVERSATIONS of each half)
-# 2. calibrate-vocab: the 2,048 most frequent answer tokens of the regenerated data (of 8,192)
+#    thread each; NUM_CONVERSATIONS of each half); plus 1,024 plain-text windows of the target's pretraining text,
+#    so the drafts also see raw-text contexts (trained on chats alone they accepted far less on raw-text prompts)
+# 2. calibrate-vocab: the 2,048 most frequent loss tokens of that data (of 8,192)
 # 3. dump-hidden-states: the target's aux and last hidden states, once, for both drafts
 # 4. train: the MLA and the MHA draft, offline, in parallel
 # 5. copy both drafts into examples/ and evaluate them (and MTP, and the MLA draft in FP8) on the held-out prompts
@@ -16,7 +17,7 @@ W=work/drafts
 SRC=work/tiny_target/conversations_train.jsonl
 HALF=${HALF:-2020}                       # conversations in the first half of $SRC
 NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-1024}
-STEPS=${STEPS:-2400}
+STEPS=${STEPS:-1600}
 mkdir -p $W
 
 tail -n +$((HALF + 1)) $SRC > $W/train_b.jsonl
@@ -24,20 +25,21 @@ regen="--max-new-tokens 192 --threads 1 --max-num-seqs 32 --chunk-size 32 --kv-c
 eyas regenerate $SRC $W/regenerated.jsonl $regen &
 eyas regenerate $W/train_b.jsonl $W/regenerated_b.jsonl $regen &
 wait
-cat $W/regenerated.jsonl $W/regenerated_b.jsonl > $W/train.jsonl
+python scripts/tiny_drafts/text_records.py --num 1024 --tokens 384 -o $W/text.jsonl
+cat $W/regenerated.jsonl $W/regenerated_b.jsonl $W/text.jsonl > $W/mixed.jsonl
 
-eyas calibrate-vocab $W/train.jsonl --draft-vocab-size 2048 --max-length 512 -o $W/vocab.safetensors
-eyas dump-hidden-states $W/train.jsonl $W/hidden --max-length 512 --threads 2
+eyas calibrate-vocab $W/mixed.jsonl --draft-vocab-size 2048 --max-length 512 -o $W/vocab-mixed.safetensors
+eyas dump-hidden-states $W/mixed.jsonl $W/hidden-mixed --max-length 512 --threads 2
 
-train="--hidden-states $W/hidden --vocab-file $W/vocab.safetensors --max-steps $STEPS --batch-size 8
+train="--hidden-states $W/hidden-mixed --vocab-file $W/vocab-mixed.safetensors --max-steps $STEPS --batch-size 8
        --max-length 512 --lr 1e-3 --warmup-steps 100 --save-every 100 --threads 1 --resume"
-eyas train $train --draft-arch mla --out $W/mla > $W/train-mla.log 2>&1 &
-eyas train $train --draft-arch mha --out $W/mha > $W/train-mha.log 2>&1 &
+eyas train $train --draft-arch mla --out $W/mla-mixed > $W/train-mla-mixed.log 2>&1 &
+eyas train $train --draft-arch mha --out $W/mha-mixed > $W/train-mha-mixed.log 2>&1 &
 wait
 
 for arch in mla mha; do
   rm -rf examples/tiny-deepseek-v3-eagle3-$arch
-  cp -r $W/$arch/draft examples/tiny-deepseek-v3-eagle3-$arch
+  cp -r $W/$arch-mixed/draft examples/tiny-deepseek-v3-eagle3-$arch
 done
 for arch in mla mha; do
   eyas eval examples/prompts/eval.jsonl --speculative-method eagle \
