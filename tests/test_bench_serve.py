@@ -57,6 +57,8 @@ def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
             # K drafts per verify step, fewer near the end of a request
             assert 0 < spec["num_drafts"] <= spec["num_draft_tokens"] <= 2 * spec["num_drafts"]
             assert run["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+            # drafting is on throughout here: most tokens come from steps with drafts (not a request's first)
+            assert 0.5 < run["drafted_share"] <= 1
     assert [r["concurrency"] for r in report["comparison"]] == [1, 3]
     for row in report["comparison"]:
         assert row["tpot_ratio"] > 0 and row["throughput_ratio"] > 0 and row["acceptance_length"] >= 1

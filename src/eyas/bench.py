@@ -244,6 +244,9 @@ def run_report(server: str, concurrency: int, results: list[RequestResult], dura
         "ttft_ms": summarize([r.ttft for r in ok]), "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": summarize([x for r in ok for x in r.itl]), "e2e_ms": summarize([r.e2e for r in ok]),
         "acceptance_length": spec["acceptance_length"] if spec else None, "speculative": spec,
+        # the share of output tokens committed by verify steps that had drafts (the rest: drafting was off)
+        "drafted_share": (spec["num_drafts"] + spec["num_accepted_tokens"]) / output_tokens
+        if spec and output_tokens else None,
         "errors": sorted({r.error for r in results if r.error})[:5],
         "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results],
     }
@@ -262,7 +265,7 @@ def comparison(runs: list[dict]) -> list[dict]:
         out.append({"concurrency": c, "tpot_ratio": ratio,
                     "throughput_ratio": spec["output_throughput"] / plain["output_throughput"]
                     if plain["output_throughput"] else None,
-                    "acceptance_length": spec["acceptance_length"]})
+                    "acceptance_length": spec["acceptance_length"], "drafted_share": spec["drafted_share"]})
     return out
 
 
@@ -286,12 +289,15 @@ def print_comparison(rows: list[dict], file=sys.stdout) -> None:
     if not rows:
         return
     print("== speculative vs plain", file=file)
-    print(f"  {'concurrency':>11}  {'TPOT spec/plain':>15}  {'tok/s spec/plain':>16}  {'accept len':>10}", file=file)
+    # "drafted": share of output tokens from verify steps that had drafts; the acceptance length describes only those
+    print(f"  {'concurrency':>11}  {'TPOT spec/plain':>15}  {'tok/s spec/plain':>16}  {'accept len':>10}  "
+          f"{'drafted':>7}", file=file)
     for r in rows:
         tpot = f"{r['tpot_ratio']:.3f}" if r["tpot_ratio"] else "-"
         tput = f"{r['throughput_ratio']:.3f}" if r["throughput_ratio"] else "-"
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        print(f"  {r['concurrency']:>11}  {tpot:>15}  {tput:>16}  {al:>10}", file=file)
+        drafted = f"{r['drafted_share']:.0%}" if r.get("drafted_share") is not None else "-"
+        print(f"  {r['concurrency']:>11}  {tpot:>15}  {tput:>16}  {al:>10}  {drafted:>7}", file=file)
 
 
 # -- servers --------------------------------------------------------------------------------------------------------
