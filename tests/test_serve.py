@@ -5,7 +5,6 @@ error body, disconnects free KV blocks, and a concurrent load with disconnects l
 import argparse
 import asyncio
 import json
-import shutil
 import socket
 import threading
 import time
@@ -16,11 +15,9 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from test_checkpoint import add_mtp_weights
-from tiny import YARN, make_hf_checkpoint
+from tiny import make_served_checkpoint
 
 from eyas import LLM, SamplingParams
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.serve.app import build_app
 from eyas.serve.cli import add_cli
 
@@ -33,12 +30,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random target with the shipped tokenizer (and its chat template) and an MTP layer."""
-    path = tmp_path_factory.mktemp("serve_ckpt")
-    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
-    add_mtp_weights(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, path / name)
-    return path
+    return make_served_checkpoint(tmp_path_factory.mktemp("serve_ckpt"))
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,10 @@ greedy constrained speculative output equals greedy constrained plain output tok
 
 import json
 import re
-import shutil
 
 import jsonschema
 import pytest
-from test_checkpoint import add_mtp_weights
-from tiny import YARN, make_hf_checkpoint
+from tiny import make_served_checkpoint
 from transformers import AutoTokenizer
 
 from eyas import LLM, SamplingParams
@@ -149,12 +147,7 @@ def test_regex_output_matches():
 @pytest.fixture(scope="module")
 def random_target(tmp_path_factory):
     """A random target (mostly rejected drafts) with the shipped tokenizer and an MTP layer."""
-    path = tmp_path_factory.mktemp("structured_ckpt")
-    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
-    add_mtp_weights(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, path / name)
-    return path
+    return make_served_checkpoint(tmp_path_factory.mktemp("structured_ckpt"))
 
 
 @pytest.mark.parametrize("k", [2, 4])

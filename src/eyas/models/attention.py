@@ -34,7 +34,7 @@ class AttentionGroup:
     query_valid: torch.Tensor  # [group_batch, max_query_len] bool
     kv_slots: torch.Tensor  # [group_batch, max_seq_len] flat cache slot of each context position (padded)
     attn_bias: torch.Tensor  # [group_batch, 1, max_query_len, max_seq_len] 0 where visible, -inf elsewhere
-    contiguous: bool  # rows are one contiguous run in flat order (then q[rows] is a slice)
+    first_row: int  # flat row of the group's first query (a one-sequence group's queries are a slice from it)
 
 
 @dataclass(slots=True)
@@ -98,10 +98,9 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
         rows.append(query_rows[g, :q_len])
     # padded query rows see key 0 so their softmax stays finite; their outputs are dropped
     attn_bias[:, 0, :, 0].masked_fill_(~query_valid, 0.0)
-    rows = torch.cat(rows)
-    contiguous = bool((rows == torch.arange(int(rows[0]), int(rows[0]) + len(rows))).all())
-    return AttentionGroup(rows=rows.to(device), query_rows=query_rows.to(device), query_valid=query_valid.to(device),
-                          kv_slots=kv_slots.to(device), attn_bias=attn_bias.to(device), contiguous=contiguous)
+    return AttentionGroup(rows=torch.cat(rows).to(device), query_rows=query_rows.to(device),
+                          query_valid=query_valid.to(device), kv_slots=kv_slots.to(device),
+                          attn_bias=attn_bias.to(device), first_row=starts[members[0]])
 
 
 def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: AttentionMetadata, value_dim: int,
@@ -154,9 +153,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMeta
 
 def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """The group's queries padded to [batch, max_q, ...]; a one-sequence group is a slice of q, not a gather."""
-    if group.query_rows.shape[0] == 1 and group.contiguous:
-        first = int(group.query_rows[0, 0])
-        return q[first:first + group.query_rows.shape[1]].unsqueeze(0)
+    if group.query_rows.shape[0] == 1:
+        return q[group.first_row:group.first_row + group.query_rows.shape[1]].unsqueeze(0)
     return q[group.query_rows]
 
 

@@ -44,10 +44,15 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
         self.q_kv_a: torch.Tensor | None = None  # set by pack()
 
+    @property
+    def q_input_proj(self) -> nn.Linear:
+        """The projection of the input on the query side: q_proj, or q_a_proj when queries are low-rank."""
+        return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+
     def pack(self) -> None:
         """For inference: the two projections of the input (queries, or their low-rank part, and the latent) as one
         matmul; the weights stay as frozen views of the packed matrix (see MLP.pack)."""
-        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        first = self.q_input_proj
         if self.q_kv_a is None and first.bias is None and self.kv_a_proj_with_mqa.bias is None:
             self.q_kv_a = pack_rows(first, self.kv_a_proj_with_mqa)
 
@@ -57,8 +62,7 @@ class MLAttention(nn.Module):
         if self.q_kv_a is not None:
             q, latent = F.linear(x, self.q_kv_a).split([self.q_kv_a.shape[0] - latent_dim, latent_dim], dim=-1)
         else:
-            first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
-            q, latent = first(x), self.kv_a_proj_with_mqa(x)
+            q, latent = self.q_input_proj(x), self.kv_a_proj_with_mqa(x)
         if not hasattr(self, "q_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))

@@ -59,6 +59,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _check_positive(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} is {value}; expected a positive integer")
+    return value
+
+
+def _check_top(value: int | None, name: str) -> int | None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} is {value}; expected 0..{MAX_LOGPROBS}")
+    return value
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints. top_k, min_p, ignore_eos and return_token_ids are vLLM's extensions."""
 
@@ -113,9 +125,7 @@ class _Sampling(_Strict):
     @field_validator("max_tokens")
     @classmethod
     def _positive(cls, max_tokens: int | None) -> int | None:
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens is {max_tokens}; expected a positive integer")
-        return max_tokens
+        return _check_positive(max_tokens, "max_tokens")
 
     def structured_output(self) -> StructuredOutputParams | None:
         """response_format or guided_regex as a spec; an invalid schema or regex is a 400 naming it."""
@@ -153,12 +163,6 @@ class _Sampling(_Strict):
         except ValueError as e:
             first = str(e).split()[0]
             raise ApiError(400, str(e), param=first if first in type(self).model_fields else None) from e
-
-
-def _check_top(value: int | None, name: str) -> int | None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"{name} is {value}; expected 0..{MAX_LOGPROBS}")
-    return value
 
 
 class CompletionRequest(_Sampling):
@@ -215,9 +219,7 @@ class ChatRequest(_Sampling):
     @field_validator("max_completion_tokens")
     @classmethod
     def _positive_completion(cls, max_tokens: int | None) -> int | None:
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_completion_tokens is {max_tokens}; expected a positive integer")
-        return max_tokens
+        return _check_positive(max_tokens, "max_completion_tokens")
 
     @field_validator("messages")
     @classmethod

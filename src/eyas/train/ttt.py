@@ -137,7 +137,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         b, t = rows
         logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [N_k, draft_vocab]
         weight = weights[k][rows]  # [N_k]
-        target = target_lp[b, (t + 1 + k).clamp(max=T - 1)]  # target position t + 1 + k (counted rows: < T - 1)
+        target = target_lp[b, t + 1 + k]  # [N_k, draft_vocab]: position t + 1 + k (<= T - 2 for a needed row)
         ce = -(target.exp() * logits).sum(-1)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
