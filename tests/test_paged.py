@@ -106,8 +106,9 @@ def test_engine_cache_size_follows_config(model):
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
 def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
-    """pack_for_inference fuses gate/up and the MLA input projections: same outputs, same state_dict, and the
-    packed weights are frozen (a packed module must not be trained)."""
+    """pack_for_inference fuses gate/up and the MLA input projections and re-lays weights out for small-batch
+    matmuls: same outputs (no-cache and paged, absorbed), same state_dict, and the packed weights are frozen (a
+    packed module must not be trained)."""
     from eyas.models.layers import pack_for_inference
 
     make_hf_checkpoint(tmp_path, rope_parameters=YARN, q_lora_rank=q_lora_rank)
@@ -115,15 +116,37 @@ def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     expected = model(ids)
+    expected_paged = paged_logits(model, ids)
     pack_for_inference(model)
     attn = model.model.layers[0].self_attn
     assert attn.q_kv_a is not None and model.model.layers[1].mlp.experts[0].gate_up is not None
+    # CPU: weights stored transposed ([in, out] contiguous), W_UK row-major
+    assert model.lm_head.weight.t().is_contiguous() and attn.q_kv_a.t().is_contiguous()
+    assert attn.w_uk.is_contiguous() and attn.w_uk.shape == (model.config.num_attention_heads,
+                                                              model.config.qk_nope_head_dim, model.config.kv_lora_rank)
     torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_logits(model, ids), expected_paged, rtol=1e-5, atol=1e-5)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    assert not attn.kv_a_proj_with_mqa.weight.requires_grad
+    assert not attn.kv_a_proj_with_mqa.weight.requires_grad and not model.lm_head.weight.requires_grad
     pack_for_inference(model)  # idempotent
     torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_logits(model, ids), expected_paged, rtol=1e-5, atol=1e-5)
+
+
+def paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of each row of ids [batch, seq]: a prefill of all but the last 2 tokens, then 2 one-token steps."""
+    batch, seq = ids.shape
+    block_size = 4
+    cache = LatentCache(model.config.num_hidden_layers, 16, block_size, model.config.latent_dim, torch.float32)
+    tables = [list(range(b * 8, b * 8 + 8)) for b in range(batch)]
+    out = []
+    for start, stop in [(0, seq - 2), (seq - 2, seq - 1), (seq - 1, seq)]:
+        attn = AttentionMetadata.build([stop - start] * batch, [stop] * batch, tables, block_size)
+        with torch.no_grad():
+            hidden, _ = model.model(ids[:, start:stop].flatten(), attn, cache)
+            out.append(model.compute_logits(hidden).view(batch, stop - start, -1))
+    return torch.cat(out, dim=1)
 
 
 def test_long_chunks_and_short_rows_in_one_step(model):

@@ -112,10 +112,10 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     def attend(group: AttentionGroup) -> torch.Tensor:
         batch, max_q = group.query_rows.shape
         heads, dim = q.shape[1:]
-        kv = latent_cache[group.kv_slots]  # [batch, max_seq_len, latent_dim]
+        kv = _gather_slots(latent_cache, group.kv_slots)  # [batch, max_seq_len, latent_dim]
         q_padded = _queries(q, group).reshape(batch, max_q * heads, dim)
-        scores = torch.bmm(q_padded, kv.transpose(1, 2)).float() * scale  # [batch, max_q * heads, max_seq_len]
-        scores = scores.view(batch, max_q, heads, -1) + group.attn_bias.transpose(1, 2)
+        scores = torch.bmm(q_padded, kv.transpose(1, 2)).float().mul_(scale)  # [batch, max_q * heads, max_seq_len]
+        scores = scores.view(batch, max_q, heads, -1).add_(group.attn_bias.transpose(1, 2))
         probs = scores.softmax(dim=-1).to(kv.dtype).view(batch, max_q * heads, -1)
         out = torch.bmm(probs, kv[..., :value_dim]).view(batch, max_q, heads, value_dim)
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, value_dim]
@@ -135,20 +135,26 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMeta
         heads, dim = q.shape[1:]
         kv_heads = kv_cache.shape[2]
         per_kv = heads // kv_heads
-        kv = kv_cache[group.kv_slots]  # [batch, max_seq_len, 2, kv_heads, head_dim]
+        kv = _gather_slots(kv_cache, group.kv_slots)  # [batch, max_seq_len, 2, kv_heads, head_dim]
         k = kv[:, :, 0].transpose(1, 2).reshape(batch * kv_heads, -1, dim)  # [batch * kv_heads, max_seq, head_dim]
         v = kv[:, :, 1].transpose(1, 2).reshape(batch * kv_heads, -1, dim)
         q_padded = _queries(q, group).reshape(batch, max_q, kv_heads, per_kv, dim)
         # each kv head serves its query heads for every query row: one [max_q * per_kv, dim] block per kv head
         q_padded = q_padded.permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, max_q * per_kv, dim)
-        scores = torch.bmm(q_padded, k.transpose(1, 2)).float() * scale  # [batch * kv_heads, max_q * per_kv, seq]
-        scores = scores.view(batch, kv_heads, max_q, per_kv, -1) + group.attn_bias.view(batch, 1, max_q, 1, -1)
+        scores = torch.bmm(q_padded, k.transpose(1, 2)).float().mul_(scale)  # [batch * kv_heads, max_q * per_kv, seq]
+        scores = scores.view(batch, kv_heads, max_q, per_kv, -1).add_(group.attn_bias.view(batch, 1, max_q, 1, -1))
         probs = scores.softmax(dim=-1).to(kv.dtype).view(batch * kv_heads, max_q * per_kv, -1)
         out = torch.bmm(probs, v).view(batch, kv_heads, max_q, per_kv, dim)
         out = out.permute(0, 2, 1, 3, 4).reshape(batch, max_q, heads, dim)
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, head_dim]
 
     return _gather(attend, attn, q.shape[0])
+
+
+def _gather_slots(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
+    """cache rows at kv_slots [batch, max_seq_len] -> [batch, max_seq_len, ...]. index_select on the flat slots:
+    on CPU it copies whole rows 3-5x faster than advanced indexing with a 2-D index."""
+    return cache.index_select(0, kv_slots.flatten()).view(*kv_slots.shape, *cache.shape[1:])
 
 
 def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -43,6 +43,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=config.attention_bias)
         self.q_kv_a: torch.Tensor | None = None  # set by pack()
+        self.w_uk: torch.Tensor | None = None  # [heads, nope, kv_lora_rank], set by pack()
+        self.w_uv_t: torch.Tensor | None = None  # [heads, kv_lora_rank, v], set by pack()
 
     @property
     def q_input_proj(self) -> nn.Linear:
@@ -51,10 +53,23 @@ class MLAttention(nn.Module):
 
     def pack(self) -> None:
         """For inference: the two projections of the input (queries, or their low-rank part, and the latent) as one
-        matmul; the weights stay as frozen views of the packed matrix (see MLP.pack)."""
+        matmul; the weights stay as frozen views of the packed matrix (see MLP.pack). And the absorbed-form
+        matrices, each laid out as its matmul reads it fastest."""
         first = self.q_input_proj
         if self.q_kv_a is None and first.bias is None and self.kv_a_proj_with_mqa.bias is None:
             self.q_kv_a = pack_rows(first, self.kv_a_proj_with_mqa)
+        if self.w_uk is None:
+            w_uk, w_uv_t = self._absorbed()
+            # on CPU kv_b_proj is in gemv_layout, which suits W_UV^T; W_UK gets a [nope, kv_lora] row-major copy
+            self.w_uk = w_uk.contiguous() if w_uk.device.type == "cpu" else w_uk
+            self.w_uv_t = w_uv_t
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, nope, kv_lora_rank] (folded into the query) and W_UV^T [heads, kv_lora_rank, v] (applied to
+        the attention's latent output), as views of kv_b_proj's weight."""
+        w_kv = self.kv_b_proj.weight.detach().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        return w_uk, w_uv.transpose(1, 2)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries split into (nope, roped) per head, and the latent (normalised kv, roped shared key)."""
@@ -81,12 +96,11 @@ class MLAttention(nn.Module):
         q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         # write this step's latents, then attend over each sequence's whole context in the absorbed form
         latent_cache[attn.slot_mapping] = torch.cat([kv, k_rope], dim=-1).to(latent_cache.dtype)
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [heads, nope|v, kv_lora_rank]
+        w_uk, w_uv_t = (self.w_uk, self.w_uv_t) if self.w_uk is not None else self._absorbed()
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_tokens, heads, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], dim=-1).to(latent_cache.dtype)  # [num_tokens, heads, latent_dim]
         out_latent = paged_latent_attention(q, latent_cache, attn, self.kv_lora_rank, self.scale)
-        out = torch.matmul(out_latent.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v]
+        out = torch.matmul(out_latent.to(x.dtype).transpose(0, 1), w_uv_t)  # [heads, tokens, v]
         return self.o_proj(out.transpose(0, 1).flatten(-2))
 
     def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -31,7 +31,7 @@ from eyas.checkpoint import CheckpointError, dequantize_fp8, fp8_block_size, rea
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.attention import AttentionMetadata, paged_attention
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
-from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
 log = logging.getLogger("eyas")
 
@@ -249,12 +249,23 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(2 * config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(2 * config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv: torch.Tensor | None = None  # set by pack()
+
+    def pack(self) -> None:
+        """For inference: q, k and v projections as one matmul (see MLP.pack)."""
+        if self.qkv is None and self.q_proj.bias is None:
+            self.qkv = pack_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [..., heads, head_dim], k and v [..., kv_heads, head_dim], rope applied."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.qkv is not None:
+            q, k, v = F.linear(x, self.qkv).split([self.q_proj.weight.shape[0], self.k_proj.weight.shape[0],
+                                                    self.v_proj.weight.shape[0]], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return apply_rope(q, cos, sin, interleave=False), apply_rope(k, cos, sin, interleave=False), v
 
