@@ -18,7 +18,7 @@ from torch import nn
 
 from eyas.config import DeepseekV3Config
 from eyas.models.attention import AttentionMetadata, paged_latent_attention
-from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, embedding, pack_rows
 
 
 class MLAttention(nn.Module):
@@ -216,7 +216,7 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -237,7 +237,7 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         L = config.num_hidden_layers
         # MTP layers sit after the decoder layers, as in DeepSeek's checkpoints (model.layers.61 in V3)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(L)]

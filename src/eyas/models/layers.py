@@ -22,6 +22,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding with its usual N(0, 1) init, except on the meta device (load_model builds there, then assigns the
+    checkpoint's weights): a meta normal_ imports torch._dynamo, a second of every start-up."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
