@@ -121,8 +121,13 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
     assert [config.num_tokens_for_batch(b) for b in (1, 2, 3, 50)] == [3, 3, 0, 0]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [[5, 6], [7, 8], [9]]
-    crowded = LLM(copying_mtp, speculative_config=config).generate(prompts, params)
+    llm = LLM(copying_mtp, speculative_config=config)
+    speculative_steps = []
+    step = llm.speculative.step
+    llm.speculative.step = lambda *args: speculative_steps.append(1) or step(*args)
+    crowded = llm.generate(prompts, params)
     assert all(o.num_drafted == 0 for o in crowded)  # three always running: never a draft
+    assert not speculative_steps  # ... and every step is the plain one: no cost over plain decoding
     pair = LLM(copying_mtp, speculative_config=config).generate(prompts[:2], params)
     assert all(o.acceptance_length > 3 for o in pair)  # two running: full drafting, the rig accepts nearly all
     plain = LLM(copying_mtp).generate(prompts, params)

@@ -129,10 +129,13 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
-        if self.speculative is not None:
-            new_tokens, new_logprobs = self.speculative.step(batch, len(self.scheduler.running))
+        num_running = len(self.scheduler.running)
+        if self.speculative is not None and not self.speculative.is_plain_step(batch, num_running):
+            new_tokens, new_logprobs = self.speculative.step(batch, num_running)
         else:
             new_tokens, new_logprobs = self._plain_step(batch)
+            if self.speculative is not None:
+                self.speculative.skip_drafting(batch.seqs)
         finished = []
         now = time.perf_counter()
         for seq, tokens, logprobs in zip(batch.seqs, new_tokens, new_logprobs):

@@ -155,8 +155,7 @@ class SpeculativeDecoder:
                  num_running: int) -> None:
         k_target = self.config.num_tokens_for_batch(num_running)
         if k_target == 0:  # drafting is off at this batch size: no draft work at all, so no cost over plain decoding
-            for seq in seqs:  # the draft's cache misses the positions computed now; it attends after them later
-                seq.draft_context_start = seq.num_computed
+            self.skip_drafting(seqs)
             return
         device = self.runner.device
         draft_in = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
@@ -195,6 +194,17 @@ class SpeculativeDecoder:
         for seq in seqs:  # back to the committed state: drafts are verified next step
             if seq.grammar is not None:
                 seq.grammar.rollback(len(seq.draft_tokens))
+
+    def is_plain_step(self, batch: ScheduledBatch, num_running: int) -> bool:
+        """Drafting is off at this batch size and no sequence has drafts to verify: the step is a plain decoding step,
+        and the engine runs it as one (then calls skip_drafting)."""
+        return self.config.num_tokens_for_batch(num_running) == 0 and not any(s.draft_tokens for s in batch.seqs)
+
+    def skip_drafting(self, seqs: list[Sequence]) -> None:
+        """After a step without draft work: the draft's cache misses the positions the target computed; it attends
+        only after them when drafting resumes."""
+        for seq in seqs:
+            seq.draft_context_start = seq.num_computed
 
     def _grammar_mask(self, logits: torch.Tensor, seqs: list[Sequence],
                       num_drafts: list[int]) -> tuple[torch.Tensor, list[int]]:
