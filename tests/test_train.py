@@ -92,6 +92,37 @@ def test_online_and_offline_give_the_same_loss(setup):
     assert online["loss_per_step"] == pytest.approx(offline["loss_per_step"], rel=1e-5, abs=1e-6)
 
 
+def test_target_logits_only_where_a_loss_reads_them(setup):
+    """target_features computes the vocab-wide head only at positions before a loss token; the TTT loss and
+    accuracies equal those from logits at every position."""
+    import torch
+
+    from eyas import load_model
+    from eyas.engine.llm import load_tokenizer
+    from eyas.train.data import load_dataset
+    from eyas.train.trainer import collate, init_draft, new_draft_config, target_features
+    from eyas.train.ttt import ttt_loss
+
+    root, target_dir, data = setup
+    target = load_model(target_dir, dtype="float32")
+    examples = [e for e in load_dataset(data, load_tokenizer(target_dir), 64) if not all(e.loss_mask)][:4]  # chats
+    batch = collate([{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in examples], 64)
+    aux, logits = target_features(target, batch, (1, 2, 3))
+    hidden, _ = target.model(batch["input_ids"])
+    dense = target.compute_logits(hidden)
+    read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
+    read[:, :-1] = batch["loss_mask"][:, 1:] > 0
+    assert 0 < read.sum() < read.numel()  # prompts and padding read no logits
+    torch.testing.assert_close(logits[read], dense[read], rtol=1e-5, atol=1e-5)
+    assert not logits[~read].any()
+    torch.manual_seed(0)
+    draft = init_draft(target, new_draft_config(target.config, "mla", (1, 2, 3), 0))
+    sparse_out = ttt_loss(draft, batch["input_ids"], batch["loss_mask"], aux, logits)
+    dense_out = ttt_loss(draft, batch["input_ids"], batch["loss_mask"], aux, dense)
+    torch.testing.assert_close(sparse_out.loss, dense_out.loss, rtol=1e-5, atol=1e-6)
+    assert [c.item() for c in sparse_out.correct] == [c.item() for c in dense_out.correct]
+
+
 def run_cli(args, env=None):
     return subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)

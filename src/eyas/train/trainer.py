@@ -158,7 +158,11 @@ def collate(items: list[dict], max_length: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...]):
-    """(aux [B, T, n_aux, H], target logits [B, T, vocab]) from a dumped batch or by running the target."""
+    """(aux [B, T, n_aux, H], target logits [B, T, vocab]) from a dumped batch or by running the target.
+
+    Logits are computed only where a loss reads them, at position p when token p + 1 is a loss token (every TTT
+    step's target for a token is the target's distribution at the position before it), and are 0 elsewhere. With
+    chat data most positions are prompt or padding, and the vocab-wide head is the target's largest matmul."""
     if "aux_hidden_states" in batch:
         aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
         last = batch["last_hidden"].to(target.lm_head.weight.dtype)
@@ -166,7 +170,11 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
         from eyas.train.hidden_states import capture_hidden_states
 
         aux, last = capture_hidden_states(target, batch["input_ids"], aux_ids)
-    return aux, target.compute_logits(target.model.norm(last))
+    read = torch.zeros(last.shape[:-1], dtype=torch.bool, device=last.device)
+    read[:, :-1] = batch["loss_mask"][:, 1:].to(last.device) > 0
+    logits = last.new_zeros(*last.shape[:-1], target.config.vocab_size)
+    logits[read] = target.compute_logits(target.model.norm(last[read]))
+    return aux, logits
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------
