@@ -135,6 +135,22 @@ def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
     torch.testing.assert_close(paged_logits(model, ids), expected_paged, rtol=1e-5, atol=1e-5)
 
 
+def test_packing_keeps_shared_weights_shared():
+    """The shipped target's MTP layer shares the lm_head and the embedding: after pack_for_inference (which re-lays
+    linear weights out) they are still one tensor each, with the same values."""
+    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.models.layers import pack_for_inference
+
+    model = load_model(DEFAULT_MODEL, dtype="float32")
+    mtp = model.model.mtp_layer(0)
+    assert mtp.shared_head.head.weight is model.lm_head.weight
+    head = model.lm_head.weight.detach().clone()
+    pack_for_inference(model)
+    assert mtp.shared_head.head.weight is model.lm_head.weight and not model.lm_head.weight.is_contiguous()
+    assert mtp.embed_tokens.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, head)
+
+
 def paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Logits of each row of ids [batch, seq]: a prefill of all but the last 2 tokens, then 2 one-token steps."""
     batch, seq = ids.shape

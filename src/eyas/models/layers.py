@@ -58,10 +58,15 @@ def pack_for_inference(model: nn.Module) -> None:
     MLA and MHA input projections): fewer, larger matmuls per step. Inference only: the weights become frozen, so a
     packed module must not be trained. Values and names are unchanged, so state_dict still matches the checkpoint."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    laid_out: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # id -> (old weight, kept alive; its new layout)
     for module in model.modules():
+        weight = getattr(module, "weight", None)
         # a weight tied to an embedding keeps its rows: an embedding looks up rows
-        if isinstance(module, nn.Linear) and module.weight.is_contiguous() and id(module.weight) not in embeddings:
-            module.weight = nn.Parameter(gemv_layout(module.weight.detach()), requires_grad=False)
+        if not isinstance(module, nn.Linear) or not weight.is_contiguous() or id(weight) in embeddings:
+            continue
+        if id(weight) not in laid_out:
+            laid_out[id(weight)] = weight, nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
+        module.weight = laid_out[id(weight)][1]  # a weight shared by several linears (MTP head) stays shared
     for module in model.modules():
         if hasattr(module, "pack"):
             module.pack()

@@ -161,8 +161,8 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
     """(aux [B, T, n_aux, H], target logits [B, T, vocab]) from a dumped batch or by running the target.
 
     Logits are computed only where a loss reads them, at position p when token p + 1 is a loss token (every TTT
-    step's target for a token is the target's distribution at the position before it), and are 0 elsewhere. With
-    chat data most positions are prompt or padding, and the vocab-wide head is the target's largest matmul."""
+    step's target for a token is the target's distribution at the position before it), and are 0 elsewhere. In
+    chat data the prompts and the padding are many positions, and the vocab-wide head is the target's largest matmul."""
     if "aux_hidden_states" in batch:
         aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
         last = batch["last_hidden"].to(target.lm_head.weight.dtype)
