@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,15 +60,19 @@ def pack_for_inference(model: nn.Module) -> None:
     MLA and MHA input projections): fewer, larger matmuls per step. Inference only: the weights become frozen, so a
     packed module must not be trained. Values and names are unchanged, so state_dict still matches the checkpoint."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    laid_out: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # id -> (old weight, kept alive; its new layout)
+    # a weight shared by several linears (the MTP layer's head) is laid out once and stays shared; weak references,
+    # so each old weight is freed as soon as no module holds it (peak memory: one matrix more, not a model more)
+    laid_out: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
         # a weight tied to an embedding keeps its rows: an embedding looks up rows
         if not isinstance(module, nn.Linear) or not weight.is_contiguous() or id(weight) in embeddings:
             continue
-        if id(weight) not in laid_out:
-            laid_out[id(weight)] = weight, nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
-        module.weight = laid_out[id(weight)][1]  # a weight shared by several linears (MTP head) stays shared
+        old, new = laid_out.get(id(weight), (None, None))
+        if old is None or old() is not weight:
+            new = nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
+            laid_out[id(weight)] = weakref.ref(weight), new
+        module.weight = new
     for module in model.modules():
         if hasattr(module, "pack"):
             module.pack()
