@@ -80,7 +80,7 @@ def pack_for_inference(model: nn.Module) -> None:
 
 def gemv_layout(weight: torch.Tensor) -> torch.Tensor:
     """The same [out, in] weight stored transposed (column-major), on CPU. F.linear then multiplies by a contiguous
-    [in, out] matrix, which CPU BLAS streams 1.6-2.5x faster than [out, in] rows when a step has one or a few tokens
+    [in, out] matrix, which CPU BLAS streams 1.5-2.5x faster than [out, in] rows when a step has one or a few tokens
     and the weight comes from DRAM (measured on the bundled target's shapes); large batches run at the same speed.
     Other devices keep their layout."""
     return weight.t().contiguous().t() if weight.device.type == "cpu" else weight
