@@ -31,6 +31,24 @@ def make_draft(target, arch, draft_vocab=0):
     return draft
 
 
+def test_init_draft_starts_from_the_targets_head(target):
+    """The draft's head is the target's (its rows of the draft vocabulary) after the target's final norm gain, so
+    at step 0 its head sees inputs at the scale it was trained on; the embedding is the target's module."""
+    saved = target.model.norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            target.model.norm.weight.uniform_(0.5, 3.0)
+        kept = torch.arange(0, target.config.vocab_size, 3)
+        d2t = kept - torch.arange(len(kept))
+        draft = init_draft(target, new_draft_config(target.config, "mla", (1, 2, 3), len(kept)), d2t)
+        assert torch.equal(draft.norm.weight, target.model.norm.weight)
+        assert torch.equal(draft.lm_head.weight, target.lm_head.weight[kept])
+        assert draft.embed_tokens is target.model.embed_tokens
+    finally:
+        with torch.no_grad():
+            target.model.norm.weight.copy_(saved)
+
+
 def chain_by_ttt(draft, aux, ids, steps):
     """prenorm of every TTT step, [steps][B, T, H], as ttt_loss computes them."""
     T = ids.shape[1]
