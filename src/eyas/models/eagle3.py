@@ -259,8 +259,8 @@ class LlamaAttention(nn.Module):
     def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [..., heads, head_dim], k and v [..., kv_heads, head_dim], rope applied."""
         if self.qkv is not None:
-            q, k, v = F.linear(x, self.qkv).split([self.q_proj.weight.shape[0], self.k_proj.weight.shape[0],
-                                                    self.v_proj.weight.shape[0]], dim=-1)
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))

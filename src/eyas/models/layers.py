@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,19 +58,17 @@ def pack_for_inference(model: nn.Module) -> None:
     MLA and MHA input projections): fewer, larger matmuls per step. Inference only: the weights become frozen, so a
     packed module must not be trained. Values and names are unchanged, so state_dict still matches the checkpoint."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    # a weight shared by several linears (the MTP layer's head) is laid out once and stays shared; weak references,
-    # so each old weight is freed as soon as no module holds it (peak memory: one matrix more, not a model more)
-    laid_out: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+    # linears grouped by weight, so a weight shared by several (the MTP layer's head) is laid out once and stays
+    # shared; each old weight is freed once its group is done (peak memory: one matrix more, not a model more)
+    sharing: dict[int, list[nn.Linear]] = {}
     for module in model.modules():
-        weight = getattr(module, "weight", None)
         # a weight tied to an embedding keeps its rows: an embedding looks up rows
-        if not isinstance(module, nn.Linear) or not weight.is_contiguous() or id(weight) in embeddings:
-            continue
-        old, new = laid_out.get(id(weight), (None, None))
-        if old is None or old() is not weight:
-            new = nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
-            laid_out[id(weight)] = weakref.ref(weight), new
-        module.weight = new
+        if isinstance(module, nn.Linear) and module.weight.is_contiguous() and id(module.weight) not in embeddings:
+            sharing.setdefault(id(module.weight), []).append(module)
+    for linears in sharing.values():
+        weight = nn.Parameter(gemv_layout(linears[0].weight.detach()), requires_grad=False)
+        for linear in linears:
+            linear.weight = weight
     for module in model.modules():
         if hasattr(module, "pack"):
             module.pack()
