@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from tiny import YARN, make_hf_checkpoint
 
 from eyas import load_model
+from eyas.models.deepseek_v3 import FEW_TOKENS
 
 CONFIGS = {
     "qlora_yarn_groups": dict(rope_parameters=YARN),
@@ -33,6 +34,18 @@ def test_logits_and_aux_hidden_states_match_transformers(tmp_path, name):
     # hidden_states index i = input of layer i; transformers' last entry (index L) is after the final norm
     for i in range(L):
         assert torch.equal(aux[i], expected.hidden_states[i]) or (aux[i] - expected.hidden_states[i]).abs().max() < 1e-5
+
+
+def test_moe_paths_match_transformers(tmp_path):
+    """Few rows (decode, verify) run every chosen expert over all rows; more rows are grouped by expert. Both must
+    give transformers' MoE output, row by row."""
+    ref = make_hf_checkpoint(tmp_path, rope_parameters=YARN)
+    ours = load_model(tmp_path)
+    x = torch.randn(3 * FEW_TOKENS, ref.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ref.model.layers[1].mlp(x[None])[0]
+        for rows in (1, 4, FEW_TOKENS, 3 * FEW_TOKENS):
+            assert (ours.model.layers[1].mlp(x[:rows]) - expected[:rows]).abs().max().item() <= 1e-5, rows
 
 
 def test_bf16_checkpoint_matches_transformers_in_fp32(tmp_path):

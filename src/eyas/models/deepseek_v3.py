@@ -118,6 +118,13 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
+# at most this many rows take MoE._few_tokens (every chosen expert over every row); more take the grouped path.
+# Measured on the bundled target, per MoE layer: 4 rows 195 us against 274 us grouped, 16 rows 414 against 458,
+# 32 rows 638 against 600, 64 rows 989 against 690 (all experts over all rows is up to num_experts /
+# num_experts_per_tok times the matmul work).
+FEW_TOKENS = 24
+
+
 class MoE(nn.Module):
     """Sigmoid router; a correction bias picks experts (never weighs them); group-limited top-k; shared experts."""
 
@@ -155,19 +162,23 @@ class MoE(nn.Module):
         expert_ids, weights = self.route(x)
         # both paths add expert outputs in ascending expert order: the summation order does not depend on the path
         # (the last bits still can: CPU matmuls round differently for different row counts)
-        if x.shape[0] == 1:
-            out = self._one_token(x, expert_ids, weights)
+        if x.shape[0] <= FEW_TOKENS:
+            out = self._few_tokens(x, expert_ids, weights)
         else:
             out = self._grouped(x, expert_ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
 
-    def _one_token(self, x, expert_ids, weights):
-        pairs = sorted(zip(expert_ids[0].tolist(), range(expert_ids.shape[1])))
+    def _few_tokens(self, x, expert_ids, weights):
+        """Decode and verify rows: each chosen expert runs once over all the rows, and each row keeps the expert's
+        output times its routing weight, 0 where the row did not choose it. Extra rows cost a small-batch matmul
+        next to nothing (it reads the same weights); the gather and scatter of the grouped path cost more."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        dense.scatter_(1, expert_ids, weights.to(x.dtype))  # [rows, num_experts]
         out = torch.zeros_like(x)
-        for e, j in pairs:
-            out = out + self.experts[e](x) * weights[:, j, None].to(x.dtype)
+        for e in sorted(set(expert_ids.flatten().tolist())):
+            out += self.experts[e](x) * dense[:, e, None]
         return out
 
     def _grouped(self, x, expert_ids, weights):
