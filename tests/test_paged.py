@@ -232,5 +232,12 @@ def test_paged_mha_attention_with_groups():
         ref = F.scaled_dot_product_attention(q[start:start + ql].transpose(0, 1), k, v, attn_mask=mask)
         torch.testing.assert_close(out[start:start + ql], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
         start += ql
+    # each sequence alone, with a spare block in its table: one-sequence groups build their fields on their own path
+    for b in range(len(lengths)):
+        alone = AttentionMetadata.build([q_lens[b]], [lengths[b]], [tables[b] + [63]], block_size,
+                                        kv_starts=[kv_starts[b]])
+        rows = slice(sum(q_lens[:b]), sum(q_lens[:b + 1]))
+        torch.testing.assert_close(paged_attention(q[rows], cache, alone, scale=dim ** -0.5), out[rows],
+                                   rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="keys start"):
         AttentionMetadata.build([2], [5], [[0, 1]], block_size, kv_starts=[4])

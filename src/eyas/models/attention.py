@@ -62,10 +62,10 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {b}: {len(blocks)} blocks of {block_size} cannot hold {s_len} tokens")
             if not 0 <= kv_starts[b] <= s_len - q_len:
                 raise ValueError(f"sequence {b}: keys start at {kv_starts[b]}, after its first query {s_len - q_len}")
-            pos = torch.arange(s_len)
-            slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+            used = -(-s_len // block_size)
+            slots = (torch.tensor(blocks[:used]).unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)[:s_len]
             seq_slots.append(slots)
-            positions.append(pos[s_len - q_len:])
+            positions.append(torch.arange(s_len - q_len, s_len))
             slot_mapping.append(slots[s_len - q_len:])
             starts.append(row)
             row += q_len
@@ -79,6 +79,19 @@ class AttentionMetadata:
 def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_starts: list[int],
            seq_slots: list[torch.Tensor], starts: list[int], device) -> AttentionGroup:
     batch = len(members)
+    if batch == 1:  # one sequence, nothing to pad: the same fields in a third of the ops (a decode step builds 4)
+        b = members[0]
+        q_len, s_len = query_lens[b], seq_lens[b]
+        rows = torch.arange(starts[b], starts[b] + q_len)
+        attn_bias = torch.zeros(1, 1, q_len, s_len)
+        if q_len > 1:
+            attn_bias[0, 0, :, s_len - q_len:] = torch.full((q_len, q_len), float("-inf")).triu_(1)
+        if kv_starts[b]:
+            attn_bias[..., :kv_starts[b]] = float("-inf")
+        return AttentionGroup(rows=rows.to(device), query_rows=rows.unsqueeze(0).to(device),
+                              query_valid=torch.ones(1, q_len, dtype=torch.bool, device=device),
+                              kv_slots=seq_slots[b].unsqueeze(0).to(device), attn_bias=attn_bias.to(device),
+                              first_row=starts[b])
     max_q, max_s = max(query_lens[b] for b in members), max(seq_lens[b] for b in members)
     query_rows = torch.zeros(batch, max_q, dtype=torch.long)
     query_valid = torch.zeros(batch, max_q, dtype=torch.bool)
