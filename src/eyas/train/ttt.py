@@ -37,14 +37,25 @@ class TTTOutput:
     correct: list[torch.Tensor]  # per step: counted positions where the draft's argmax is the target's
 
 
-def target_log_probs(target_logits: torch.Tensor, draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's distribution over the draft vocabulary [..., draft_vocab] and whether its argmax is in it."""
-    if not draft.config.compressed_vocab:
-        return target_logits.float().log_softmax(-1), torch.ones(target_logits.shape[:-1], dtype=torch.bool,
-                                                                  device=target_logits.device)
-    draft_to_target = torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t
-    in_vocab = draft.t2d[target_logits.argmax(-1)]
-    return target_logits[..., draft_to_target].float().log_softmax(-1), in_vocab
+def target_distribution(target_logits: torch.Tensor, loss_mask: torch.Tensor,
+                        draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary [B, T, draft_vocab], its argmax there (draft ids)
+    [B, T] and whether the target's own argmax lies in the draft vocabulary [B, T]; computed only at the positions
+    some loss reads (position p when token p + 1 is a loss token), 0 and False elsewhere."""
+    read = F.pad(loss_mask[:, 1:] > 0, (0, 1))
+    rows = target_logits[read]  # [R, vocab]
+    in_vocab = torch.zeros(read.shape, dtype=torch.bool, device=read.device)
+    if draft.config.compressed_vocab:
+        in_vocab[read] = draft.t2d[rows.argmax(-1)]
+        rows = rows[:, torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t]
+    else:
+        in_vocab[read] = True
+    probs = rows.float().softmax(-1)
+    dense_probs = probs.new_zeros(*read.shape, probs.shape[-1])
+    dense_probs[read] = probs
+    top = torch.zeros(read.shape, dtype=torch.long, device=read.device)
+    top[read] = probs.argmax(-1)
+    return dense_probs, top, in_vocab
 
 
 def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
@@ -113,7 +124,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
     B, T = input_ids.shape
     if T < ttt_steps + 2:
         raise ValueError(f"sequences of {T} tokens are too short for {ttt_steps} TTT steps (need >= {ttt_steps + 2})")
-    target_lp, in_vocab = target_log_probs(target_logits, draft)  # [B, T, draft_vocab], [B, T]
+    target_probs, target_top, in_vocab = target_distribution(target_logits, loss_mask, draft)
     # weights[k][b, t]: position t's step-k prediction (token t + 2 + k) is counted
     weights = [F.pad(loss_mask[:, 2 + k:].float() * in_vocab[:, 1 + k:T - 1].float(), (0, 2 + k))
                for k in range(ttt_steps)]
@@ -137,12 +148,12 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         b, t = rows
         logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [N_k, draft_vocab]
         weight = weights[k][rows]  # [N_k]
-        target = target_lp[b, t + 1 + k]  # [N_k, draft_vocab]: position t + 1 + k (<= T - 2 for a needed row)
-        ce = -(target.exp() * logits).sum(-1)
+        target = target_probs[b, t + 1 + k]  # [N_k, draft_vocab]: position t + 1 + k (<= T - 2 for a needed row)
+        ce = -(target * logits).sum(-1)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
         counts.append(count)
-        correct.append(((logits.argmax(-1) == target.argmax(-1)).float() * weight).sum())
+        correct.append(((logits.argmax(-1) == target_top[b, t + 1 + k]).float() * weight).sum())
         total = total + decay ** k * loss_sum / count.clamp(min=1)
     return TTTOutput(loss=total, loss_sums=loss_sums, counts=counts, correct=correct)
