@@ -92,6 +92,19 @@ def test_online_and_offline_give_the_same_loss(setup):
     assert online["loss_per_step"] == pytest.approx(offline["loss_per_step"], rel=1e-5, abs=1e-6)
 
 
+def test_bfloat16_target_trains_a_float32_draft(setup):
+    """--target-dtype bfloat16: the target computes its hidden states and logits in bf16, the draft's own weights
+    train and are saved in float32, and the loss stays near the float32 target's (bf16 rounds the features)."""
+    from safetensors import safe_open
+
+    fp32 = train(config(setup, "target_fp32", max_steps=2))
+    bf16 = train(config(setup, "target_bf16", max_steps=2, target_dtype="bfloat16"))
+    assert bf16["loss_per_step"] == pytest.approx(fp32["loss_per_step"], rel=2e-2)
+    assert bf16["loss_per_step"] != fp32["loss_per_step"]  # the target really ran in bf16
+    with safe_open(str(setup[0] / "target_bf16" / "draft" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
 def test_target_logits_only_where_a_loss_reads_them(setup):
     """target_features computes the vocab-wide head only at positions before a loss token; the TTT loss and
     accuracies equal those from logits at every position."""

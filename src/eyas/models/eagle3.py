@@ -340,7 +340,8 @@ class Eagle3Draft(nn.Module):
         """
         positions = attn.positions if attn is not None else torch.arange(hidden.shape[-2], device=hidden.device)
         cos, sin = self.rotary(positions)
-        return self.layers[0](self.embed_tokens(next_token_ids), hidden, cos, sin, attn, cache)
+        embeds = self.embed_tokens(next_token_ids).to(hidden.dtype)  # the target's embedding, maybe in bf16
+        return self.layers[0](embeds, hidden, cos, sin, attn, cache)
 
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary [..., vocab]; target ids outside the draft vocabulary get -inf."""

@@ -61,6 +61,8 @@ class TrainConfig:
     seed: int = 0
     fsdp: bool = False  # shard the draft's trained weights, grads and optimizer state across torchrun ranks
     device: str = "cpu"  # "cuda": each torchrun rank uses cuda:LOCAL_RANK
+    # the frozen target's dtype (auto: float32 on CPU, bfloat16 on accelerators); the draft trains in float32
+    target_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.hidden_states is None):
@@ -127,8 +129,9 @@ def init_draft(target: DeepseekV3ForCausalLM, config: Eagle3Config, d2t: torch.T
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.lm_head.weight[rows])
         draft.norm.weight.copy_(target.model.norm.weight)
-    # initialised on the CPU (the same numbers whatever the device), then moved next to the target
-    return draft.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
+    # initialised on the CPU (the same numbers whatever the device), then moved next to the target; the draft's own
+    # weights stay float32 whatever the target's dtype (the shared embedding keeps the target's)
+    return draft.to(device=target.lm_head.weight.device)
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     rank, world = setup_distributed(cfg.device)
     device = train_device(cfg.device)
     out = Path(cfg.out)
-    target = load_model(cfg.target, dtype="float32", device=device)
+    target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
     target.requires_grad_(False)
     L = target.config.num_hidden_layers
 
@@ -508,6 +511,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun, each rank uses cuda:LOCAL_RANK; "
                    "nccl then, gloo on CPU)")
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype the frozen target computes hidden states and logits in (auto: float32 on CPU, "
+                   "bfloat16 on GPUs); the draft always trains in float32. On CPUs with AVX512-BF16 or AMX, "
+                   "bfloat16 runs the target about twice as fast")
     p.set_defaults(func=_cmd_train)
 
 
@@ -522,7 +529,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       loss_decay=args.loss_decay, lr=args.lr, warmup_steps=args.warmup_steps,
                       max_steps=args.max_steps, batch_size=args.batch_size, max_length=args.max_length,
                       grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed, fsdp=args.fsdp,
-                      device=args.device)
+                      device=args.device, target_dtype=args.target_dtype)
     record = train(cfg, resume=args.resume)
     print(json.dumps(record))
     return 0
