@@ -72,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--archs", nargs="+", default=["mha", "mla"], choices=["mha", "mla"],
                    help="eyas draft architectures to train")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for every run")
+    p.add_argument("--eyas-target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="eyas train --target-dtype (Model Optimizer's run keeps its model in float32)")
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps left out of tokens/s")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/modelopt-compare"),
                    help="outputs: target snapshot, drafts, logs, eval reports, summary.json")
@@ -185,13 +187,14 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
     common = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
+    eyas_train = ["eyas", "train", "--target-dtype", args.eyas_target_dtype]
     rows = []
 
     # (a) eyas
     for arch in args.archs:
         out = work / f"eyas-{arch}"
         if not (args.reuse and (out / "draft" / "model.safetensors").is_file()):
-            run(["eyas", "train", "--target", str(target), "--data", str(args.data), "--out", str(out),
+            run([*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
                  "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(args.steps),
                  "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every", str(args.steps),
                  *common], work / f"train-eyas-{arch}.log", env)
@@ -224,7 +227,7 @@ def main() -> int:
     for k in range(args.throughput_rounds):
         for arch in args.archs:
             out = work / f"tp{k}-eyas-{arch}"
-            run(["eyas", "train", "--target", str(target), "--data", str(args.data), "--out", str(out),
+            run([*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
                  "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(args.throughput_steps),
                  "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every",
                  str(args.throughput_steps), *common], work / f"tp{k}-eyas-{arch}.log", env)
@@ -256,7 +259,7 @@ def main() -> int:
             for n in (n1, n2):
                 out = work / f"cpu{n}-{row['trainer']}-{row['arch']}"
                 if row["trainer"] == "eyas":
-                    cmd = ["eyas", "train", "--target", str(target), "--data", str(args.data), "--out", str(out),
+                    cmd = [*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
                            "--draft-arch", row["arch"], "--ttt-steps", str(args.ttt_steps), "--max-steps", str(n),
                            "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every", str(n),
                            *common]
