@@ -9,7 +9,7 @@ from tiny import YARN, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.models.deepseek_v3 import FEW_TOKENS
-from eyas.models.layers import RMSNorm
+from eyas.models.layers import FUSED_NORM_ROWS, RMSNorm
 
 CONFIGS = {
     "qlora_yarn_groups": dict(rope_parameters=YARN),
@@ -38,22 +38,26 @@ def test_logits_and_aux_hidden_states_match_transformers(tmp_path, name):
 
 
 def test_packed_rms_norm_matches_its_formula():
-    """RMSNorm packed for CPU inference (layer_norm over [x, -x]) against x / sqrt(mean(x^2) + eps) * w in float64
-    and against the unpacked module, on rows of very different scales and an all-zero row."""
+    """RMSNorm packed for CPU inference (layer_norm over [x, -x] up to FUSED_NORM_ROWS rows, F.rms_norm past them)
+    against x / sqrt(mean(x^2) + eps) * w in float64 and against the unpacked module, on rows of very different
+    scales and an all-zero row."""
     norm = RMSNorm(192, eps=1e-6)
+    rows = torch.randn(5, 192, generator=torch.Generator().manual_seed(3)) * torch.tensor([[1e-3], [1.0], [1e3], [0.0],
+                                                                                          [7.0]])
     with torch.no_grad():
         norm.weight.normal_()
-        x = torch.randn(5, 192, generator=torch.Generator().manual_seed(3)) * torch.tensor([[1e-3], [1.0], [1e3],
-                                                                                             [0.0], [7.0]])
-        unpacked = norm(x)
-        norm.pack()
-        assert norm.weight_pair is not None
-        packed = norm(x)
-    x64, w64 = x.double(), norm.weight.detach().double()
-    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
-    scale = expected.abs().max(-1, keepdim=True).values + 1e-30
-    assert ((packed.double() - expected).abs() <= 1e-6 * scale).all()
-    assert ((packed - unpacked).abs() <= 1e-6 * scale).all()
+    for x in (rows, rows.repeat(FUSED_NORM_ROWS, 1)):
+        norm.weight_pair = None
+        with torch.no_grad():
+            unpacked = norm(x)
+            norm.pack()
+            assert norm.weight_pair is not None
+            packed = norm(x)
+        x64, w64 = x.double(), norm.weight.detach().double()
+        expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+        scale = expected.abs().max(-1, keepdim=True).values + 1e-30
+        assert ((packed.double() - expected).abs() <= 1e-6 * scale).all()
+        assert ((packed - unpacked).abs() <= 1e-6 * scale).all()
 
 
 def test_moe_paths_match_transformers(tmp_path):
