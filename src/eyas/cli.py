@@ -120,8 +120,9 @@ def speculative_config(args: argparse.Namespace):
 
 # measured with `eyas bench serve` on the bundled target against plain: drafting always on, c=8 1.15x, c=12 1.10x,
 # c=14 1.20x, c=16 0.95x; off from 16, c=16 0.92x and 0.95x (whenever the batch dips below 16 drafting resumes, with
-# the draft blind to the positions computed while it was off: AL 1.93); off from 12, c=8 1.24x, c=16 0.96x and 1.04x
-CPU_DISABLE_BATCH_SIZE = 12
+# the draft blind to the positions computed while it was off: AL 1.93); off from 12, c=8 1.22-1.24x, c=16 0.96x,
+# 1.04x, 0.99x, 1.04x; off from 10, c=8 1.18x, c=16 1.11x (fewer blind resumptions as a wave of requests drains)
+CPU_DISABLE_BATCH_SIZE = 10
 
 
 def disable_batch_size(args: argparse.Namespace) -> int | None:
