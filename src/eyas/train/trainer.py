@@ -30,7 +30,7 @@ from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_stat
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import Eagle3Config, Eagle3Draft
-from eyas.train.ttt import TTTOutput, ttt_loss
+from eyas.train.ttt import TTTOutput, read_positions, ttt_loss
 
 
 @dataclass(slots=True)
@@ -165,9 +165,8 @@ def collate(items: list[dict], max_length: int) -> dict[str, torch.Tensor]:
 def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...]):
     """(aux [B, T, n_aux, H], target logits [B, T, vocab]) from a dumped batch or by running the target.
 
-    Logits are computed only where a loss reads them, at position p when token p + 1 is a loss token (every TTT
-    step's target for a token is the target's distribution at the position before it), and are 0 elsewhere. In
-    chat data the prompts and the padding are many positions, and the vocab-wide head is the target's largest matmul."""
+    Logits are computed only where a loss reads them (`read_positions`) and are 0 elsewhere. In chat data the prompts
+    and the padding are many positions, and the vocab-wide head is the target's largest matmul."""
     if "aux_hidden_states" in batch:
         aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
         last = batch["last_hidden"].to(target.lm_head.weight.dtype)
@@ -175,8 +174,7 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
         from eyas.train.hidden_states import capture_hidden_states
 
         aux, last = capture_hidden_states(target, batch["input_ids"], aux_ids)
-    read = torch.zeros(last.shape[:-1], dtype=torch.bool, device=last.device)
-    read[:, :-1] = batch["loss_mask"][:, 1:].to(last.device) > 0
+    read = read_positions(batch["loss_mask"].to(last.device))
     logits = last.new_zeros(*last.shape[:-1], target.config.vocab_size)
     logits[read] = target.compute_logits(target.model.norm(last[read]))
     return aux, logits

@@ -37,12 +37,18 @@ class TTTOutput:
     correct: list[torch.Tensor]  # per step: counted positions where the draft's argmax is the target's
 
 
+def read_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions whose target distribution some loss reads, p when token p + 1 is a loss token (every
+    TTT step's target for a token is the target's distribution at the position before it)."""
+    return F.pad(loss_mask[:, 1:] > 0, (0, 1))
+
+
 def target_distribution(target_logits: torch.Tensor, loss_mask: torch.Tensor,
                         draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocabulary [B, T, draft_vocab], its argmax there (draft ids)
     [B, T] and whether the target's own argmax lies in the draft vocabulary [B, T]; computed only at the positions
-    some loss reads (position p when token p + 1 is a loss token), 0 and False elsewhere."""
-    read = F.pad(loss_mask[:, 1:] > 0, (0, 1))
+    some loss reads (`read_positions`), 0 and False elsewhere."""
+    read = read_positions(loss_mask)
     rows = target_logits[read]  # [R, vocab]
     in_vocab = torch.zeros(read.shape, dtype=torch.bool, device=read.device)
     if draft.config.compressed_vocab:
