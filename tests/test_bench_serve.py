@@ -10,7 +10,7 @@ import pytest
 from test_serve import KEY, checkpoint, running  # noqa: F401  (checkpoint: the random target + MTP layer fixture)
 
 from eyas import LLM
-from eyas.bench import SPEC_COUNTERS, acceptance, add_cli, bench_serve, summarize
+from eyas.bench import SPEC_COUNTERS, acceptance, add_cli, bench_serve, comparison, summarize
 
 STATS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -39,11 +39,13 @@ def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
     out = tmp_path / "bench.json"
     args = parse("--model", str(checkpoint), "--num-prompts", "6", "--input-len", "16", "--output-len", "12",
                  "--range-ratio", "0.5", "--concurrency", "1", "3", "--speculative-method", "mtp",
-                 "--num-speculative-tokens", "2", "--max-num-seqs", "4", "--json", str(out))
+                 "--num-speculative-tokens", "2", "--max-num-seqs", "4", "--repeats", "2", "--json", str(out))
     assert args.func(args) == 0
     report = json.loads(out.read_text())
-    assert [(r["server"], r["concurrency"]) for r in report["runs"]] == \
-        [("plain", 1), ("plain", 3), ("speculative", 1), ("speculative", 3)]
+    # the second repeat starts with the speculative server
+    assert [(r["server"], r["concurrency"], r["repeat"]) for r in report["runs"]] == \
+        [("plain", 1, 0), ("plain", 3, 0), ("speculative", 1, 0), ("speculative", 3, 0),
+         ("speculative", 1, 1), ("speculative", 3, 1), ("plain", 1, 1), ("plain", 3, 1)]
     for run in report["runs"]:
         check_run(run)
         lens = [r["expected_output_len"] for r in run["requests"]]
@@ -62,6 +64,7 @@ def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
     assert [r["concurrency"] for r in report["comparison"]] == [1, 3]
     for row in report["comparison"]:
         assert row["tpot_ratio"] > 0 and row["throughput_ratio"] > 0 and row["acceptance_length"] >= 1
+        assert len(row["throughput_ratios"]) == len(row["tpot_ratios"]) == 2
     assert report["config"]["speculative_method"] == "mtp" and report["config"]["request_rate"] == "inf"
 
 
@@ -78,6 +81,26 @@ def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkp
     assert run["server"] == "server" and report["comparison"] == [] and run["acceptance_length"] is None
     assert report["config"]["served_model_name"] is None  # found in /v1/models
     assert all(r["prompt_len"] > 0 and r["output_len"] == 5 for r in run["requests"])
+
+
+def fake_run(server: str, concurrency: int, repeat: int, tok_s: float, tpot_ms: float,
+             counters: dict | None = None) -> dict:
+    return {"server": server, "concurrency": concurrency, "repeat": repeat, "output_throughput": tok_s,
+            "tpot_ms": {"mean": tpot_ms}, "total_output_tokens": 100, "speculative": counters}
+
+
+def test_comparison_pairs_each_repeat_and_takes_the_median():
+    spec = {"num_drafts": 10, "num_accepted_tokens": 15}
+    runs = [fake_run("plain", 1, 0, 100, 10), fake_run("speculative", 1, 0, 150, 5, spec),
+            fake_run("speculative", 1, 1, 120, 8, spec), fake_run("plain", 1, 1, 60, 16),  # a slow moment: 2x
+            fake_run("plain", 1, 2, 100, 10), fake_run("speculative", 1, 2, 110, 9, spec),
+            fake_run("plain", 4, 0, 200, 20)]  # no speculative run at 4: no row
+    [row] = comparison(runs)
+    assert row["concurrency"] == 1
+    assert row["throughput_ratios"] == [1.5, 2.0, 1.1] and row["throughput_ratio"] == 1.5
+    assert row["tpot_ratios"] == [0.5, 0.5, 0.9] and row["tpot_ratio"] == 0.5
+    assert row["acceptance_length"] == 2.5  # 1 + 45 / 30 over the three speculative runs
+    assert row["drafted_share"] == pytest.approx((30 + 45) / 300)
 
 
 def test_acceptance_length_from_counter_deltas():

@@ -253,19 +253,40 @@ def run_report(server: str, concurrency: int, results: list[RequestResult], dura
 
 
 def comparison(runs: list[dict]) -> list[dict]:
-    """Speculative against plain at each concurrency: TPOT ratio (< 1 is faster) and throughput ratio (> 1)."""
-    by = {(r["server"], r["concurrency"]): r for r in runs}
-    out = []
-    for (server, c), spec in by.items():
-        plain = by.get(("plain", c))
+    """Speculative against plain at each concurrency: TPOT ratio (< 1 is faster) and throughput ratio (> 1).
+
+    With repeats, each repeat's speculative run is paired with that repeat's plain run; the row gives the median of
+    the paired ratios and all of them (this machine's noise moves single runs by several percent)."""
+    import numpy as np
+
+    by = {(r["server"], r["concurrency"], r.get("repeat", 0)): r for r in runs}
+    rows: dict[int, dict] = {}
+    for (server, c, repeat), spec in by.items():
+        plain = by.get(("plain", c, repeat))
         if server != "speculative" or plain is None:
             continue
-        ratio = (spec["tpot_ms"]["mean"] / plain["tpot_ms"]["mean"]
-                 if spec["tpot_ms"]["mean"] and plain["tpot_ms"]["mean"] else None)
-        out.append({"concurrency": c, "tpot_ratio": ratio,
-                    "throughput_ratio": spec["output_throughput"] / plain["output_throughput"]
-                    if plain["output_throughput"] else None,
-                    "acceptance_length": spec["acceptance_length"], "drafted_share": spec["drafted_share"]})
+        row = rows.setdefault(c, {"concurrency": c, "tpot_ratios": [], "throughput_ratios": [], "spec": []})
+        if spec["tpot_ms"]["mean"] and plain["tpot_ms"]["mean"]:
+            row["tpot_ratios"].append(spec["tpot_ms"]["mean"] / plain["tpot_ms"]["mean"])
+        if plain["output_throughput"]:
+            row["throughput_ratios"].append(spec["output_throughput"] / plain["output_throughput"])
+        row["spec"].append(spec)
+
+    def median(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    out = []
+    for row in rows.values():
+        spec_runs = row.pop("spec")
+        counters = [r["speculative"] for r in spec_runs if r["speculative"]]
+        drafts = sum(c["num_drafts"] for c in counters)
+        accepted = sum(c["num_accepted_tokens"] for c in counters)
+        tokens = sum(r["total_output_tokens"] for r in spec_runs)
+        out.append({"concurrency": row["concurrency"], "tpot_ratio": median(row["tpot_ratios"]),
+                    "throughput_ratio": median(row["throughput_ratios"]),
+                    "tpot_ratios": row["tpot_ratios"], "throughput_ratios": row["throughput_ratios"],
+                    "acceptance_length": 1 + accepted / drafts if drafts else None,
+                    "drafted_share": (drafts + accepted) / tokens if counters and tokens else None})
     return out
 
 
@@ -288,16 +309,18 @@ def print_run(run: dict, file=sys.stdout) -> None:
 def print_comparison(rows: list[dict], file=sys.stdout) -> None:
     if not rows:
         return
-    print("== speculative vs plain", file=file)
+    repeats = max(len(r["throughput_ratios"]) for r in rows)
+    print("== speculative vs plain" + (f", median of {repeats} paired repeats" if repeats > 1 else ""), file=file)
     # "drafted": share of output tokens from verify steps that had drafts; the acceptance length describes only those
     print(f"  {'concurrency':>11}  {'TPOT spec/plain':>15}  {'tok/s spec/plain':>16}  {'accept len':>10}  "
-          f"{'drafted':>7}", file=file)
+          f"{'drafted':>7}" + ("  tok/s ratio of each repeat" if repeats > 1 else ""), file=file)
     for r in rows:
         tpot = f"{r['tpot_ratio']:.3f}" if r["tpot_ratio"] else "-"
         tput = f"{r['throughput_ratio']:.3f}" if r["throughput_ratio"] else "-"
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         drafted = f"{r['drafted_share']:.0%}" if r.get("drafted_share") is not None else "-"
-        print(f"  {r['concurrency']:>11}  {tpot:>15}  {tput:>16}  {al:>10}  {drafted:>7}", file=file)
+        each = "  " + " ".join(f"{x:.3f}" for x in r["throughput_ratios"]) if repeats > 1 else ""
+        print(f"  {r['concurrency']:>11}  {tpot:>15}  {tput:>16}  {al:>10}  {drafted:>7}{each}", file=file)
 
 
 # -- servers --------------------------------------------------------------------------------------------------------
@@ -329,8 +352,9 @@ def serve_in_thread(llm, model_name: str) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def bench_servers(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    """(label, base URL, model name) for each server to load, started and stopped in turn."""
+def bench_servers(args: argparse.Namespace, repeat: int = 0) -> Iterator[tuple[str, str, str]]:
+    """(label, base URL, model name) for each server to load, started and stopped in turn: plain first on even
+    repeats, speculative first on odd ones, so a drift in the machine's speed does not favour either."""
     if args.base_url:
         yield "server", args.base_url.rstrip("/"), args.served_model_name or _remote_model(args)
         return
@@ -340,7 +364,8 @@ def bench_servers(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
     set_threads(args.threads, args.device)
     spec = speculative_config(args)
     name = args.served_model_name or Path(args.model).name
-    for label, config in (("plain", None), ("speculative", spec)):
+    servers = (("plain", None), ("speculative", spec))
+    for label, config in servers if repeat % 2 == 0 else servers[::-1]:
         if label == "speculative" and config is None:
             continue
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
@@ -379,18 +404,21 @@ def bench_serve(args: argparse.Namespace) -> dict:
     requests = load_requests(args)
     warmup = [BenchRequest(r.endpoint, r.prompt, r.prompt_len, min(r.output_len, 8)) for r in requests[:2]]
     runs = []
-    for label, url, model in bench_servers(args):
-        # the first requests pay one-off costs (allocations, lazy imports); keep them out of the figures
-        asyncio.run(run_load(url, model, warmup, len(warmup), math.inf, args.temperature, args.api_key, args.seed,
-                             args.request_timeout, f"{label} warmup"))
-        for c in args.concurrency:
-            before = spec_counters(url)
-            results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate, args.temperature,
-                                                     args.api_key, args.seed, args.request_timeout,
-                                                     f"{label} c={c}"))
-            run = run_report(label, c, results, duration, acceptance(before, spec_counters(url)))
-            print_run(run)
-            runs.append(run)
+    for repeat in range(args.repeats):
+        for label, url, model in bench_servers(args, repeat):
+            # the first requests pay one-off costs (allocations, lazy imports); keep them out of the figures
+            asyncio.run(run_load(url, model, warmup, len(warmup), math.inf, args.temperature, args.api_key,
+                                 args.seed, args.request_timeout, f"{label} warmup"))
+            for c in args.concurrency:
+                name = f"{label} c={c}" + (f" repeat {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
+                before = spec_counters(url)
+                results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate,
+                                                         args.temperature, args.api_key, args.seed,
+                                                         args.request_timeout, name))
+                run = run_report(label, c, results, duration, acceptance(before, spec_counters(url)))
+                run["repeat"] = repeat
+                print_run(run)
+                runs.append(run)
     rows = comparison(runs)
     print_comparison(rows)
     # strict JSON: paths and an infinite request rate as strings
@@ -405,6 +433,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
         print(f"wrote {args.json}")
     return 0 if all(r["failed"] == 0 for r in report["runs"]) else 1
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_cli(subparsers) -> None:
@@ -428,13 +463,16 @@ def add_cli(subparsers) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random lengths are drawn from "
                    "len * [1 - r, 1 + r]")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1], help="requests in flight at most; one run "
-                   "per value")
+    p.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1], help="requests in flight at most; "
+                   "one run per value")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default "
                    "inf: all at once, limited by --concurrency)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--repeats", type=_positive_int, default=1, help="run every (server, concurrency) this many "
+                   "times, alternating which server goes first; the comparison gives the median of the paired "
+                   "ratios (single runs on a shared machine move by several percent)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the whole report (every request too) here")
     s = p.add_argument_group("the servers started without --base-url")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
