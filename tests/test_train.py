@@ -106,15 +106,14 @@ def test_bfloat16_target_trains_a_float32_draft(setup):
 
 
 def test_target_logits_only_where_a_loss_reads_them(setup):
-    """target_features computes the vocab-wide head only at positions before a loss token; the TTT loss and
-    accuracies equal those from logits at every position."""
+    """target_features computes the vocab-wide head only at positions before a loss token, in row-major order: the
+    rows equal the full head's there."""
     import torch
 
     from eyas import load_model
     from eyas.engine.llm import load_tokenizer
     from eyas.train.data import load_dataset
-    from eyas.train.trainer import collate, init_draft, new_draft_config, target_features
-    from eyas.train.ttt import ttt_loss
+    from eyas.train.trainer import collate, target_features
 
     root, target_dir, data = setup
     target = load_model(target_dir, dtype="float32")
@@ -126,14 +125,8 @@ def test_target_logits_only_where_a_loss_reads_them(setup):
     read = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
     read[:, :-1] = batch["loss_mask"][:, 1:] > 0
     assert 0 < read.sum() < read.numel()  # prompts and padding read no logits
-    torch.testing.assert_close(logits[read], dense[read], rtol=1e-5, atol=1e-5)
-    assert not logits[~read].any()
-    torch.manual_seed(0)
-    draft = init_draft(target, new_draft_config(target.config, "mla", (1, 2, 3), 0))
-    sparse_out = ttt_loss(draft, batch["input_ids"], batch["loss_mask"], aux, logits)
-    dense_out = ttt_loss(draft, batch["input_ids"], batch["loss_mask"], aux, dense)
-    torch.testing.assert_close(sparse_out.loss, dense_out.loss, rtol=1e-5, atol=1e-6)
-    assert [c.item() for c in sparse_out.correct] == [c.item() for c in dense_out.correct]
+    assert logits.shape == (read.sum(), target.config.vocab_size)
+    torch.testing.assert_close(logits, dense[read], rtol=1e-5, atol=1e-5)
 
 
 def run_cli(args, env=None):

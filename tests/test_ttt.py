@@ -7,7 +7,7 @@ from tiny import YARN, make_hf_checkpoint
 from eyas import load_model
 from eyas.models.attention import AttentionMetadata
 from eyas.train.trainer import init_draft, new_draft_config
-from eyas.train.ttt import draft_step, ttt_loss
+from eyas.train.ttt import draft_step, read_positions, ttt_loss
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_loss_is_soft_cross_entropy_over_the_draft_vocab(target, draft_vocab):
     if draft_vocab < 10:
         target_logits[..., kept] += 3.0
     with torch.no_grad():
-        out = ttt_loss(draft, ids, mask, aux, target_logits, ttt_steps=2, decay=0.5)
+        out = ttt_loss(draft, ids, mask, aux, target_logits[read_positions(mask)], ttt_steps=2, decay=0.5)
         prenorm = chain_by_ttt(draft, aux, ids, 2)
     for k in range(2):
         expected_sum, expected_count, expected_correct = 0.0, 0, 0
@@ -164,7 +164,7 @@ def test_pruned_rows_give_the_dense_loss_and_gradients(target, arch):
     mask[1, 3:9] = 1  # an answer, then padding
     # row 2: no loss at all
     losses, grads = [], []
-    for fn in (lambda: ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8).loss,
+    for fn in (lambda: ttt_loss(draft, ids, mask, aux, target_logits[read_positions(mask)], 3, 0.8).loss,
                lambda: dense_ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8)):
         draft.zero_grad()
         loss = fn()
@@ -175,5 +175,7 @@ def test_pruned_rows_give_the_dense_loss_and_gradients(target, arch):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
-    empty = ttt_loss(draft, ids, torch.zeros(B, T), aux, target_logits, 3, 0.8)
+    empty = ttt_loss(draft, ids, torch.zeros(B, T), aux, target_logits.flatten(0, 1)[:0], 3, 0.8)
     assert empty.loss.item() == 0 and all(c.item() == 0 for c in empty.counts)
+    with pytest.raises(ValueError, match=r"target_logits of shape \(3, 14, 96\): expected \[15, vocab\]"):
+        ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8)

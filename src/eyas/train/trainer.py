@@ -163,10 +163,10 @@ def collate(items: list[dict], max_length: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...]):
-    """(aux [B, T, n_aux, H], target logits [B, T, vocab]) from a dumped batch or by running the target.
+    """(aux [B, T, n_aux, H], target logits [R, vocab]) from a dumped batch or by running the target.
 
-    Logits are computed only where a loss reads them (`read_positions`) and are 0 elsewhere. In chat data the prompts
-    and the padding are many positions, and the vocab-wide head is the target's largest matmul."""
+    Logits only at the R positions a loss reads (`read_positions`, row-major): in chat data the prompts and the
+    padding are many positions, and the vocab-wide head is the target's largest matmul."""
     if "aux_hidden_states" in batch:
         aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
         last = batch["last_hidden"].to(target.lm_head.weight.dtype)
@@ -175,9 +175,7 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
 
         aux, last = capture_hidden_states(target, batch["input_ids"], aux_ids)
     read = read_positions(batch["loss_mask"].to(last.device))
-    logits = last.new_zeros(*last.shape[:-1], target.config.vocab_size)
-    logits[read] = target.compute_logits(target.model.norm(last[read]))
-    return aux, logits
+    return aux, target.compute_logits(target.model.norm(last[read]))
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------

@@ -43,25 +43,30 @@ def read_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return F.pad(loss_mask[:, 1:] > 0, (0, 1))
 
 
-def target_distribution(target_logits: torch.Tensor, loss_mask: torch.Tensor,
-                        draft: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's distribution over the draft vocabulary [B, T, draft_vocab], its argmax there (draft ids)
-    [B, T] and whether the target's own argmax lies in the draft vocabulary [B, T]; computed only at the positions
-    some loss reads (`read_positions`), 0 and False elsewhere."""
+def target_distribution(target_logits: torch.Tensor, loss_mask: torch.Tensor, draft: Eagle3Draft
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the target's logits at the positions some loss reads (`target_logits` [R, vocab], the rows of
+    `read_positions(loss_mask)` in row-major order): its distribution over the draft vocabulary [R, draft_vocab], its
+    argmax there (draft ids) [R], whether its own argmax lies in the draft vocabulary [B, T] (False where not read),
+    and the row of each position [B, T] (0 where not read: only rows a loss weighs by 0 look there).
+
+    Rows, not a dense [B, T, vocab] tensor: on chat data most positions are prompt or padding, and a dense tensor of
+    that size costs a fresh zero-filled allocation every step (on CPU, 4 x 128 x 8192 floats took 16 ms)."""
     read = read_positions(loss_mask)
-    rows = target_logits[read]  # [R, vocab]
+    if target_logits.dim() != 2 or target_logits.shape[0] != int(read.sum()):
+        raise ValueError(f"target_logits of shape {tuple(target_logits.shape)}: expected [{int(read.sum())}, vocab], "
+                         "the target's logits at the positions the loss mask reads (read_positions(loss_mask))")
+    row_of = torch.zeros(read.shape, dtype=torch.long, device=read.device)
+    row_of[read] = torch.arange(target_logits.shape[0], device=read.device)
     in_vocab = torch.zeros(read.shape, dtype=torch.bool, device=read.device)
+    rows = target_logits
     if draft.config.compressed_vocab:
         in_vocab[read] = draft.t2d[rows.argmax(-1)]
         rows = rows[:, torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t]
     else:
         in_vocab[read] = True
     probs = rows.float().softmax(-1)
-    dense_probs = probs.new_zeros(*read.shape, probs.shape[-1])
-    dense_probs[read] = probs
-    top = torch.zeros(read.shape, dtype=torch.long, device=read.device)
-    top[read] = probs.argmax(-1)
-    return dense_probs, top, in_vocab
+    return probs, probs.argmax(-1), in_vocab, row_of
 
 
 def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
@@ -123,7 +128,8 @@ def _scatter_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
 
 def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
              target_logits: torch.Tensor, ttt_steps: int = 3, decay: float = 0.9) -> TTTOutput:
-    """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [B, T, vocab].
+    """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [R, vocab]: the target's logits
+    at read_positions(loss_mask), in row-major order.
 
     Only rows that some loss needs are computed past step 0's attention: step k keeps position t when a counted
     target exists at t for step k or a later one (a row's chain never looks at another row's later steps). Prompt and
@@ -131,7 +137,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
     B, T = input_ids.shape
     if T < ttt_steps + 2:
         raise ValueError(f"sequences of {T} tokens are too short for {ttt_steps} TTT steps (need >= {ttt_steps + 2})")
-    target_probs, target_top, in_vocab = target_distribution(target_logits, loss_mask, draft)
+    target_probs, target_top, in_vocab, row_of = target_distribution(target_logits, loss_mask, draft)
     # weights[k][b, t]: position t's step-k prediction (token t + 2 + k) is counted
     weights = [F.pad(loss_mask[:, 2 + k:].float() * in_vocab[:, 1 + k:T - 1].float(), (0, 2 + k))
                for k in range(ttt_steps)]
@@ -155,12 +161,14 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         b, t = rows
         logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [N_k, draft_vocab]
         weight = weights[k][rows]  # [N_k]
-        target = target_probs[b, t + 1 + k]  # [N_k, draft_vocab]: position t + 1 + k (<= T - 2 for a needed row)
+        # the target's distribution at position t + 1 + k (<= T - 2 for a needed row)
+        target_rows = row_of[b, t + 1 + k]
+        target = target_probs[target_rows]  # [N_k, draft_vocab]
         ce = -(target * logits).sum(-1)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
         counts.append(count)
-        correct.append(((logits.argmax(-1) == target_top[b, t + 1 + k]).float() * weight).sum())
+        correct.append(((logits.argmax(-1) == target_top[target_rows]).float() * weight).sum())
         total = total + decay ** k * loss_sum / count.clamp(min=1)
     return TTTOutput(loss=total, loss_sums=loss_sums, counts=counts, correct=correct)
