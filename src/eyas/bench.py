@@ -7,9 +7,10 @@ like `vllm bench serve`.
 Without --base-url it serves --model itself, in this process, on a free loopback port: once plain and once
 speculative (the speculative arguments as `eyas serve` reads them: the bundled target drafts with its bundled MLA
 draft unless told otherwise; `--speculative-method none` runs plain only), one server at a time so the two never
-share the CPU. The load runs in this
-process too, so on CPU the client's Python competes with the engine thread for the GIL; both servers pay that cost
-alike. Every request sends `ignore_eos` and `max_tokens`, so every output has the length the load asked for.
+share the CPU; with --repeats N, N times each, alternating which server goes first, and the comparison takes the
+median of the N paired ratios. The load runs in this process too, so on CPU the client's Python competes with the
+engine thread for the GIL; both servers pay that cost alike. Every request sends `ignore_eos` and `max_tokens`, so
+every output has the length the load asked for.
 
 Per request, from the SSE stream (token counts from `return_token_ids`, so a chunk carrying several accepted
 speculative tokens counts them all):
