@@ -27,7 +27,7 @@ environment; CPU-only torch, never a CUDA build):
 (where a local CPU wheel of torch 2.13.0 is on pip's find-links, the plain `pip install torch==2.13.0` takes it;
 keep `torch==2.13.0` in the second command so pip cannot swap torch for another build.) Then:
 
-    python benchmarks/modelopt_compare.py --steps 600 --batch-size 4 --max-length 128 --lr 1e-3 \\
+    python benchmarks/modelopt_compare.py --steps 600 --batch-size 4 --max-length 128 --lr 3e-3 \\
         --warmup-steps 50 --max-new-tokens 128 --modelopt-python /tmp/modelopt-venv/bin/python \\
         --throughput-rounds 3 --throughput-steps 60 --cpu-time-steps 20 80
 
