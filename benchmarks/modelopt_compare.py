@@ -187,17 +187,26 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
     common = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
-    eyas_train = ["eyas", "train", "--target-dtype", args.eyas_target_dtype]
+
+    def eyas_train(out: Path, arch: str, steps: int) -> list[str]:
+        return ["eyas", "train", "--target-dtype", args.eyas_target_dtype, "--target", str(target), "--data",
+                str(args.data), "--out", str(out), "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps),
+                "--max-steps", str(steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+                "--save-every", str(steps), *common]
+
+    def modelopt_train(out: Path, steps: int) -> list[str]:
+        return [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
+                "--data", str(args.data), "--out", str(out), "--steps", str(steps), "--lr", str(args.lr),
+                "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps), "--threads",
+                str(args.threads), "--measure-after", str(min(args.measure_after, steps - 1)), *common]
+
     rows = []
 
     # (a) eyas
     for arch in args.archs:
         out = work / f"eyas-{arch}"
         if not (args.reuse and (out / "draft" / "model.safetensors").is_file()):
-            run([*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
-                 "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(args.steps),
-                 "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every", str(args.steps),
-                 *common], work / f"train-eyas-{arch}.log", env)
+            run(eyas_train(out, arch, args.steps), work / f"train-eyas-{arch}.log", env)
         tps, tps_all = eyas_tokens_per_s(out / "train_log.jsonl", target, args.data, args.batch_size,
                                          args.max_length, args.measure_after)
         log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
@@ -210,10 +219,7 @@ def main() -> int:
     result_file = work / "modelopt-result.json"
     if not (args.reuse and result_file.is_file() and (out / "model.safetensors").is_file()):
         log_file = work / "train-modelopt-mha.log"
-        run([args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
-             "--data", str(args.data), "--out", str(out), "--steps", str(args.steps), "--lr", str(args.lr),
-             "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps), "--threads",
-             str(args.threads), "--measure-after", str(args.measure_after), *common], log_file, env)
+        run(modelopt_train(out, args.steps), log_file, env)
         last = [line for line in log_file.read_text().splitlines() if line.startswith("{")][-1]
         result_file.write_text(last + "\n")
     mo = json.loads(result_file.read_text())
@@ -227,18 +233,11 @@ def main() -> int:
     for k in range(args.throughput_rounds):
         for arch in args.archs:
             out = work / f"tp{k}-eyas-{arch}"
-            run([*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
-                 "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(args.throughput_steps),
-                 "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every",
-                 str(args.throughput_steps), *common], work / f"tp{k}-eyas-{arch}.log", env)
+            run(eyas_train(out, arch, args.throughput_steps), work / f"tp{k}-eyas-{arch}.log", env)
             rounds.setdefault(f"eyas-{arch}", []).append(eyas_tokens_per_s(
                 out / "train_log.jsonl", target, args.data, args.batch_size, args.max_length, args.measure_after)[0])
         out = work / f"tp{k}-modelopt-mha"
-        run([args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
-             "--data", str(args.data), "--out", str(out), "--steps", str(args.throughput_steps), "--lr",
-             str(args.lr), "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps),
-             "--threads", str(args.threads), "--measure-after", str(args.measure_after), *common],
-            work / f"tp{k}-modelopt-mha.log", env)
+        run(modelopt_train(out, args.throughput_steps), work / f"tp{k}-modelopt-mha.log", env)
         last = [line for line in (work / f"tp{k}-modelopt-mha.log").read_text().splitlines()
                 if line.startswith("{")][-1]
         rounds.setdefault("modelopt-mha", []).append(json.loads(last)["tokens_per_s"])
@@ -258,17 +257,7 @@ def main() -> int:
             cpu = []
             for n in (n1, n2):
                 out = work / f"cpu{n}-{row['trainer']}-{row['arch']}"
-                if row["trainer"] == "eyas":
-                    cmd = [*eyas_train, "--target", str(target), "--data", str(args.data), "--out", str(out),
-                           "--draft-arch", row["arch"], "--ttt-steps", str(args.ttt_steps), "--max-steps", str(n),
-                           "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--save-every", str(n),
-                           *common]
-                else:
-                    cmd = [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target",
-                           str(target), "--data", str(args.data), "--out", str(out), "--steps", str(n), "--lr",
-                           str(args.lr), "--warmup-steps", str(args.warmup_steps), "--ttt-steps",
-                           str(args.ttt_steps), "--threads", str(args.threads), "--measure-after",
-                           str(min(args.measure_after, n - 1)), *common]
+                cmd = eyas_train(out, row["arch"], n) if row["trainer"] == "eyas" else modelopt_train(out, n)
                 cpu.append(run_cpu(cmd, work / f"cpu{n}-{row['trainer']}-{row['arch']}.log", env))
             row["tokens_per_cpu_s"] = dtok / (cpu[1] - cpu[0])
             row["cpu_seconds"] = {n1: round(cpu[0], 1), n2: round(cpu[1], 1)}

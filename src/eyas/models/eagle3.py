@@ -340,8 +340,11 @@ class Eagle3Draft(nn.Module):
         """
         positions = attn.positions if attn is not None else torch.arange(hidden.shape[-2], device=hidden.device)
         cos, sin = self.rotary(positions)
-        embeds = self.embed_tokens(next_token_ids).to(hidden.dtype)  # the target's embedding, maybe in bf16
-        return self.layers[0](embeds, hidden, cos, sin, attn, cache)
+        return self.layers[0](self.embed(next_token_ids, hidden.dtype), hidden, cos, sin, attn, cache)
+
+    def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The target's embedding of token_ids in the draft's compute dtype (the target's may be lower)."""
+        return self.embed_tokens(token_ids).to(dtype)
 
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary [..., vocab]; target ids outside the draft vocabulary get -inf."""

@@ -103,7 +103,7 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     output is [N, H]. `past` holds the dense (k, v) of the earlier steps, step 0 first."""
     layer = draft.layers[0]
     attn = layer.self_attn
-    embeds = draft.embed_tokens(tokens).to(hidden.dtype)  # the target's embedding, maybe in a lower precision
+    embeds = draft.embed(tokens, hidden.dtype)
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
     cos, sin = draft.rotary(positions)
     q, k, v = attn.expanded_qkv(x, cos, sin)
