@@ -72,8 +72,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--archs", nargs="+", default=["mha", "mla"], choices=["mha", "mla"],
                    help="eyas draft architectures to train")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for every run")
-    p.add_argument("--eyas-target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="eyas train --target-dtype (Model Optimizer's run keeps its model in float32)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="every trainer alike. fp32: all float32. bf16: the frozen target in bfloat16 and the draft "
+                   "under bfloat16 autocast with float32 weights (eyas: --target-dtype bfloat16 --mixed-precision "
+                   "bf16; Model Optimizer: modelopt_train.py --precision bf16)")
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps left out of tokens/s")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/modelopt-compare"),
                    help="outputs: target snapshot, drafts, logs, eval reports, summary.json")
@@ -189,16 +191,19 @@ def main() -> int:
     common = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
 
     def eyas_train(out: Path, arch: str, steps: int) -> list[str]:
-        return ["eyas", "train", "--target-dtype", args.eyas_target_dtype, "--target", str(target), "--data",
-                str(args.data), "--out", str(out), "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps),
-                "--max-steps", str(steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+        precision = (["--target-dtype", "bfloat16", "--mixed-precision", "bf16"] if args.precision == "bf16" else
+                     ["--target-dtype", "float32", "--mixed-precision", "no"])
+        return ["eyas", "train", *precision, "--target", str(target), "--data", str(args.data), "--out", str(out),
+                "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(steps), "--lr",
+                str(args.lr), "--warmup-steps", str(args.warmup_steps),
                 "--save-every", str(steps), *common]
 
     def modelopt_train(out: Path, steps: int) -> list[str]:
         return [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
                 "--data", str(args.data), "--out", str(out), "--steps", str(steps), "--lr", str(args.lr),
                 "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps), "--threads",
-                str(args.threads), "--measure-after", str(min(args.measure_after, steps - 1)), *common]
+                str(args.threads), "--precision", args.precision, "--measure-after",
+                str(min(args.measure_after, steps - 1)), *common]
 
     rows = []
 
@@ -300,7 +305,8 @@ def main() -> int:
                       + f"AL x{row['al'] / ref['al']:.3f} ({row['al']:.3f} vs {ref['al']:.3f})")
     settings = (f"target {args.target} (snapshot {target}); data {args.data}; {args.steps} steps, batch "
                 f"{args.batch_size} x max {args.max_length} tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine "
-                f"to 0.1x), TTT {args.ttt_steps}, {args.threads} thread(s); tokens/s after {args.measure_after} "
+                f"to 0.1x), TTT {args.ttt_steps}, {args.precision}, {args.threads} thread(s); tokens/s after "
+                f"{args.measure_after} "
                 f"warm-up steps; eval {args.prompts.name}, K={args.num_speculative_tokens}, greedy, "
                 f"max {args.max_new_tokens} new tokens")
     text = "\n".join([settings, "", *lines, "", *ratios,

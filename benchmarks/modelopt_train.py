@@ -1,7 +1,8 @@
 """Train an EAGLE-3 draft with NVIDIA Model Optimizer (the peer trainer of `benchmarks/modelopt_compare.py`).
 
 Runs INSIDE a Model Optimizer virtualenv (not eyas's environment: Model Optimizer 0.47 wants transformers 5.14.1),
-on CPU in float32:
+on CPU, in float32 or (--precision bf16) with the target in bfloat16 and the draft under bfloat16 autocast with
+float32 weights, the counterpart of `eyas train --target-dtype bfloat16 --mixed-precision bf16`:
 
     /tmp/modelopt-venv/bin/python benchmarks/modelopt_train.py --target DIR --data JSONL --out DIR \
         --steps N --batch-size B --max-length T
@@ -69,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps excluded from tokens/s")
     p.add_argument("--log", help="per-step JSONL log (default OUT/train_log.jsonl)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: target weights in bfloat16, the draft's forward/backward under bfloat16 autocast, "
+                   "its weights and optimizer state float32")
     return p.parse_args()
 
 
@@ -207,7 +211,8 @@ def main() -> int:
     hf_logging.set_verbosity_error()  # the target's MTP layer (model.layers.N) is reported as unexpected; harmless
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    bf16 = args.precision == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if bf16 else torch.float32)
     cfg = model.config
     examples = load_examples(tok, args.data, args.max_length)
     if len(examples) < args.batch_size:
@@ -232,6 +237,9 @@ def main() -> int:
     }
     torch.manual_seed(args.seed)
     mtsp.convert(model, [("eagle", eagle_cfg)])
+    # convert casts the draft to the target's dtype; mixed precision keeps the trained weights in float32
+    model.eagle_module.float()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     # train mode on the whole converted model: HFEagleModel runs its TTT steps only when `self.training` (in eval
     # mode it runs one step); the frozen target has no dropout (attention_dropout 0), so its outputs are unchanged
     model.train()
@@ -261,7 +269,8 @@ def main() -> int:
             model._cached_attn_blk_masks.clear()
             last_len = input_ids.shape[1]
         t0 = time.perf_counter()
-        output = model(input_ids=input_ids, loss_mask=loss_mask)
+        with autocast:
+            output = model(input_ids=input_ids, loss_mask=loss_mask)
         loss = output.loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -285,12 +294,14 @@ def main() -> int:
                                                                           args.seed + 1)], args.max_length)
                      for k in range(2)]
     model._cached_attn_blk_masks.clear()
-    diagnostic = served_vs_trained(torch, model, check_batches)
+    with autocast:
+        diagnostic = served_vs_trained(torch, model, check_batches)
     model.eval()
     export_speculative_decoding(model, export_dir=out)
     result = {"trainer": "modelopt", "draft_arch": "mha (llama)", "steps": args.steps,
               "batch_size": args.batch_size, "max_length": args.max_length, "lr": args.lr,
-              "threads": torch.get_num_threads(), "trainable_params": n_params, "aux_layer_ids": aux_ids,
+              "threads": torch.get_num_threads(), "precision": args.precision,
+              "trainable_params": n_params, "aux_layer_ids": aux_ids,
               "tokens_per_s": round(measured_tokens / measured_time, 1) if measured_time else None,
               "tokens_per_s_all_steps": round(all_tokens / all_time, 1),
               "measured_steps": max(0, args.steps - args.measure_after), "final_loss": round(loss.item(), 5),

@@ -105,6 +105,42 @@ def test_bfloat16_target_trains_a_float32_draft(setup):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
 
 
+def test_bf16_mixed_precision_keeps_float32_weights(setup):
+    """--mixed-precision bf16: the draft's matmuls run in bf16 (the loss moves off the float32 one, but stays near
+    it), its weights and optimizer state stay float32, and its loss still falls."""
+    import torch
+    from safetensors import safe_open
+
+    fp32 = train(config(setup, "mp_no", max_steps=2, mixed_precision="no"))
+    bf16 = train(config(setup, "mp_bf16", max_steps=2, mixed_precision="bf16"))
+    assert bf16["loss_per_step"] == pytest.approx(fp32["loss_per_step"], rel=2e-2)
+    assert bf16["loss_per_step"] != fp32["loss_per_step"]  # autocast really ran
+    with safe_open(str(setup[0] / "mp_bf16" / "draft" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    state = torch.load(setup[0] / "mp_bf16" / "checkpoint" / "state.pt", weights_only=True)
+    moments = [v for s in state["optimizer"]["state"].values() for k, v in s.items() if k.startswith("exp_avg")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    longer = train(config(setup, "mp_bf16_long", max_steps=20, mixed_precision="bf16"))
+    first = read_log(setup[0] / "mp_bf16_long" / "train_log.jsonl")[0]
+    assert longer["loss"] < first["loss"] - 0.5
+
+
+def test_resume_reads_a_setting_added_later_as_its_default(setup):
+    """A checkpoint saved before a setting existed resumes when the run keeps that setting's default, and refuses,
+    naming the setting, when it does not."""
+    import torch
+
+    cfg = config(setup, "old_checkpoint", max_steps=2, save_every=2)
+    train(cfg)
+    path = setup[0] / "old_checkpoint" / "checkpoint" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    del state["config"]["mixed_precision"]
+    torch.save(state, path)
+    train(config(setup, "old_checkpoint", max_steps=2, save_every=2), resume=True)
+    with pytest.raises(ValueError, match=r"other settings \(mixed_precision\)"):
+        train(config(setup, "old_checkpoint", max_steps=2, save_every=2, mixed_precision="bf16"), resume=True)
+
+
 def test_target_logits_only_where_a_loss_reads_them(setup):
     """target_features computes the vocab-wide head only at positions before a loss token, in row-major order: the
     rows equal the full head's there."""

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -61,8 +61,11 @@ class TrainConfig:
     seed: int = 0
     fsdp: bool = False  # shard the draft's trained weights, grads and optimizer state across torchrun ranks
     device: str = "cpu"  # "cuda": each torchrun rank uses cuda:LOCAL_RANK
-    # the frozen target's dtype (auto: float32 on CPU, bfloat16 on accelerators); the draft trains in float32
+    # the frozen target's dtype (auto: float32 on CPU, bfloat16 on accelerators)
     target_dtype: str = "auto"
+    # the draft's forward and backward under bfloat16 autocast, its weights and optimizer state kept in float32
+    # (auto: bf16 on accelerators, no on CPU)
+    mixed_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.data is None) == (self.hidden_states is None):
@@ -73,6 +76,13 @@ class TrainConfig:
             raise ValueError("--ttt-steps must be >= 1 and --loss-decay in (0, 1]")
         if self.batch_size < 1 or self.max_steps < 1:
             raise ValueError("--batch-size and --max-steps must be positive")
+        if self.mixed_precision not in ("auto", "no", "bf16"):
+            raise ValueError(f"--mixed-precision is {self.mixed_precision!r}; expected auto, no or bf16")
+
+    def autocast(self, device: torch.device) -> torch.autocast:
+        """The context the draft's loss runs in: bfloat16 matmuls (float32 weights) or plain float32."""
+        enabled = self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and device.type != "cpu")
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 # -- the draft at step 0 ----------------------------------------------------------------------------------------
@@ -236,9 +246,14 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     state_path = out / "checkpoint" / "state.pt"
     if resume and state_path.is_file():
         state = torch.load(state_path, weights_only=True, map_location=device)
-        if state["config"] != _comparable(cfg):
-            raise ValueError(f"{state_path} was made with other settings; resume with the same ones "
-                             f"(saved: {state['config']})")
+        current = _comparable(cfg)
+        # a setting added after the checkpoint was made is taken at its default (the behaviour it had then)
+        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+        saved = {**{k: defaults[k] for k in current if k in defaults}, **state["config"]}
+        if saved != current:
+            changed = sorted(k for k in current if saved.get(k) != current[k])
+            raise ValueError(f"{state_path} was made with other settings ({', '.join(changed)}); resume with the "
+                             f"same ones (saved: {state['config']})")
         if fsdp:
             load_sharded_state(draft, optimizer, state, names)
         else:
@@ -270,7 +285,9 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
         indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
         batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
         aux, target_logits = target_features(target, batch, aux_ids)
-        result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps, cfg.loss_decay)
+        with cfg.autocast(device):
+            result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
+                             cfg.loss_decay)
         counts = torch.stack(result.counts).detach()
         if world > 1:
             dist.all_reduce(counts)
@@ -509,8 +526,11 @@ def add_cli(subparsers) -> None:
                    "nccl then, gloo on CPU)")
     p.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype the frozen target computes hidden states and logits in (auto: float32 on CPU, "
-                   "bfloat16 on GPUs); the draft always trains in float32. On CPUs with AVX512-BF16 or AMX, "
-                   "bfloat16 runs the target about twice as fast")
+                   "bfloat16 on GPUs). On CPUs with AVX512-BF16 or AMX, bfloat16 runs the target faster")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16"],
+                   help="bf16: the draft's forward and backward run under bfloat16 autocast while its weights "
+                   "and optimizer state stay float32; no: all float32 (auto: bf16 on GPUs, no on CPU). On CPUs "
+                   "with AVX512-BF16 or AMX, bf16 matmuls run about twice as fast")
     p.set_defaults(func=_cmd_train)
 
 
@@ -525,7 +545,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       loss_decay=args.loss_decay, lr=args.lr, warmup_steps=args.warmup_steps,
                       max_steps=args.max_steps, batch_size=args.batch_size, max_length=args.max_length,
                       grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed, fsdp=args.fsdp,
-                      device=args.device, target_dtype=args.target_dtype)
+                      device=args.device, target_dtype=args.target_dtype,
+                      mixed_precision=args.mixed_precision)
     record = train(cfg, resume=args.resume)
     print(json.dumps(record))
     return 0
