@@ -62,7 +62,7 @@ def target_distribution(target_logits: torch.Tensor, loss_mask: torch.Tensor, dr
     rows = target_logits
     if draft.config.compressed_vocab:
         in_vocab[read] = draft.t2d[rows.argmax(-1)]
-        rows = rows[:, torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t]
+        rows = rows.index_select(1, torch.arange(draft.d2t.shape[0], device=draft.d2t.device) + draft.d2t)
     else:
         in_vocab[read] = True
     probs = rows.float().softmax(-1)
@@ -109,22 +109,23 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     q, k, v = attn.expanded_qkv(x, cos, sin)
     if rows is not None:
         batch, length = past[0][0].shape[:2]
-        q, k, v = (_scatter_rows(t, rows, batch, length) for t in (q, k, v))
+        flat = rows[0] * length + rows[1]
+        q, k, v = (_scatter_rows(t, flat, batch, length) for t in (q, k, v))
     if past:
         (k0, v0), later = past[0], past[1:]
         out = extended_attention(q, k0, v0, [kk for kk, _ in later] + [k], [vv for _, vv in later] + [v], attn.scale)
     else:
         out = extended_attention(q, k, v, [], [], attn.scale)
     if rows is not None:
-        out = out[rows]
+        out = out.flatten(0, 1).index_select(0, flat)
     h = hidden + attn.o_proj(out.flatten(-2))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
 
-def _scatter_rows(values: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], batch: int,
-                  length: int) -> torch.Tensor:
-    dense = values.new_zeros(batch, length, *values.shape[1:])
-    return dense.index_put(rows, values)
+def _scatter_rows(values: torch.Tensor, flat: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """values [N, ...] placed at flat rows (b * length + t) of a zero [batch, length, ...] tensor."""
+    dense = values.new_zeros(batch * length, *values.shape[1:])
+    return dense.index_copy(0, flat, values).view(batch, length, *values.shape[1:])
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
@@ -149,7 +150,8 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
     prenorm, kv = draft_step(draft, hidden, F.pad(input_ids[:, 1:], (0, 1)), base, [])
     past = [kv]
     rows = needed[0].nonzero(as_tuple=True)
-    prenorm = prenorm[rows]  # [N_0, H]
+    # row gathers by index_select on flat rows: on CPU it copies rows ~5x faster than advanced indexing
+    prenorm = prenorm.flatten(0, 1).index_select(0, rows[0] * T + rows[1])  # [N_0, H]
     total = prenorm.new_zeros((), dtype=torch.float32)
     loss_sums, counts, correct = [], [], []
     for k in range(ttt_steps):
@@ -164,8 +166,8 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         weight = weights[k][rows]  # [N_k]
         # the target's distribution at position t + 1 + k (<= T - 2 for a needed row)
         target_rows = row_of[b, t + 1 + k]
-        target = target_probs[target_rows]  # [N_k, draft_vocab]
-        ce = -(target * logits).sum(-1)
+        target = target_probs.index_select(0, target_rows)  # [N_k, draft_vocab]
+        ce = -torch.linalg.vecdot(target, logits)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
