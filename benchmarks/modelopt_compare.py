@@ -306,9 +306,8 @@ def main() -> int:
     settings = (f"target {args.target} (snapshot {target}); data {args.data}; {args.steps} steps, batch "
                 f"{args.batch_size} x max {args.max_length} tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine "
                 f"to 0.1x), TTT {args.ttt_steps}, {args.precision}, {args.threads} thread(s); tokens/s after "
-                f"{args.measure_after} "
-                f"warm-up steps; eval {args.prompts.name}, K={args.num_speculative_tokens}, greedy, "
-                f"max {args.max_new_tokens} new tokens")
+                f"{args.measure_after} warm-up steps; eval {args.prompts.name}, K={args.num_speculative_tokens}, "
+                f"greedy, max {args.max_new_tokens} new tokens")
     text = "\n".join([settings, "", *lines, "", *ratios,
                       "Model Optimizer served-vs-trained step-0 top-1 agreement (its double norm, see "
                       f"modelopt_train.py): {mo.get('served_vs_trained_step0_top1_agreement')}; input_layernorm max "

@@ -8,7 +8,7 @@ float32 weights, the counterpart of `eyas train --target-dtype bfloat16 --mixed-
         --steps N --batch-size B --max-length T
 
 What it does, matching `eyas train` wherever the comparison needs it:
-  * the target is loaded with transformers (float32, CPU) and converted with
+  * the target is loaded with transformers (float32, or bfloat16 with --precision bf16; CPU) and converted with
     `mtsp.convert(model, [("eagle", config)])`: EAGLE-3 (Model Optimizer's default EAGLE-3 architecture config:
     aux hidden states on, last layernorm on, its default aux layers {1, L//2-1, L-4}), a one-layer llama-type
     draft, `eagle_ttt_steps` 3, loss decay 0.9, base model frozen. The draft's attention/MLP shape is set to that
