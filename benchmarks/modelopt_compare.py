@@ -77,6 +77,10 @@ def parse_args() -> argparse.Namespace:
                    "under bfloat16 autocast with float32 weights (eyas: --target-dtype bfloat16 --mixed-precision "
                    "bf16; Model Optimizer: modelopt_train.py --precision bf16)")
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps left out of tokens/s")
+    p.add_argument("--extra-seeds", type=int, nargs="+", default=[], metavar="SEED",
+                   help="also train and evaluate every trainer with these seeds (draft init and batch order), for "
+                   "acceptance only; the report then gives each seed's AL and the ratio of the means (600-step "
+                   "runs on the bundled target differ by up to 0.1 AL from seed to seed)")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/modelopt-compare"),
                    help="outputs: target snapshot, drafts, logs, eval reports, summary.json")
     p.add_argument("--reuse", action="store_true", help="skip runs whose outputs already exist in --work-dir "
@@ -190,20 +194,29 @@ def main() -> int:
                TOKENIZERS_PARALLELISM="false")
     common = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
 
-    def eyas_train(out: Path, arch: str, steps: int) -> list[str]:
+    def eyas_train(out: Path, arch: str, steps: int, seed: int = 0) -> list[str]:
         precision = (["--target-dtype", "bfloat16", "--mixed-precision", "bf16"] if args.precision == "bf16" else
                      ["--target-dtype", "float32", "--mixed-precision", "no"])
         return ["eyas", "train", *precision, "--target", str(target), "--data", str(args.data), "--out", str(out),
                 "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(steps), "--lr",
                 str(args.lr), "--warmup-steps", str(args.warmup_steps),
-                "--save-every", str(steps), *common]
+                "--save-every", str(steps), "--seed", str(seed), *common]
 
-    def modelopt_train(out: Path, steps: int) -> list[str]:
+    def modelopt_train(out: Path, steps: int, seed: int = 0) -> list[str]:
         return [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
                 "--data", str(args.data), "--out", str(out), "--steps", str(steps), "--lr", str(args.lr),
                 "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps), "--threads",
                 str(args.threads), "--precision", args.precision, "--measure-after",
-                str(min(args.measure_after, steps - 1)), *common]
+                str(min(args.measure_after, steps - 1)), "--seed", str(seed), *common]
+
+    def evaluate(draft: Path, name: str) -> dict:
+        report = work / f"eval-{name}.json"
+        if not (args.reuse and report.is_file()):
+            run(["eyas", "eval", str(args.prompts), "--model", str(target), "--speculative-method", "eagle",
+                 "--draft-model", str(draft), "--num-speculative-tokens", str(args.num_speculative_tokens),
+                 "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--threads",
+                 str(args.threads), "--out", str(report)], work / f"eval-{name}.log", env)
+        return json.loads(report.read_text())
 
     rows = []
 
@@ -269,16 +282,27 @@ def main() -> int:
 
     # (c) acceptance length, every draft through eyas's engine
     for row in rows:
-        report = work / f"eval-{row['trainer']}-{row['arch']}.json"
-        if not (args.reuse and report.is_file()):
-            run(["eyas", "eval", str(args.prompts), "--model", str(target), "--speculative-method", "eagle",
-                 "--draft-model", str(row["draft"]), "--num-speculative-tokens", str(args.num_speculative_tokens),
-                 "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0", "--threads",
-                 str(args.threads), "--out", str(report)], work / f"eval-{row['trainer']}-{row['arch']}.log", env)
-        r = json.loads(report.read_text())
+        r = evaluate(row["draft"], f"{row['trainer']}-{row['arch']}")
         row["al"] = r["overall"]["acceptance_length"]
         row["al_categories"] = {c: v["acceptance_length"] for c, v in r["categories"].items()}
         row["accepted_per_position"] = r["overall"]["accepted_per_position"]
+
+    # (c') acceptance over more seeds
+    for row in rows:
+        row["al_per_seed"] = {0: row["al"]}
+        for seed in args.extra_seeds:
+            name = f"seed{seed}-{row['trainer']}-{row['arch']}"
+            out = work / name
+            if row["trainer"] == "eyas":
+                draft = out / "draft"
+                if not (args.reuse and (draft / "model.safetensors").is_file()):
+                    run(eyas_train(out, row["arch"], args.steps, seed), work / f"train-{name}.log", env)
+            else:
+                draft = out
+                if not (args.reuse and (draft / "model.safetensors").is_file()):
+                    run(modelopt_train(out, args.steps, seed), work / f"train-{name}.log", env)
+            row["al_per_seed"][seed] = evaluate(draft, name)["overall"]["acceptance_length"]
+        row["al_mean"] = sum(row["al_per_seed"].values()) / len(row["al_per_seed"])
 
     # table
     categories = sorted({c for row in rows for c in row["al_categories"]})
@@ -302,7 +326,12 @@ def main() -> int:
         ratios.append(f"eyas {row['arch']} / Model Optimizer: tokens/s x{speed:.2f}, "
                       + (f"tokens/CPU-s x{row['tokens_per_cpu_s'] / ref['tokens_per_cpu_s']:.2f}, "
                          if args.cpu_time_steps else "")
-                      + f"AL x{row['al'] / ref['al']:.3f} ({row['al']:.3f} vs {ref['al']:.3f})")
+                      + f"AL x{row['al'] / ref['al']:.3f} ({row['al']:.3f} vs {ref['al']:.3f})"
+                      + (f"; AL over seeds {', '.join(map(str, row['al_per_seed']))}: mean x"
+                         f"{row['al_mean'] / ref['al_mean']:.3f} ({row['al_mean']:.3f} vs {ref['al_mean']:.3f}; "
+                         f"per seed {' / '.join(f'{a:.3f}' for a in row['al_per_seed'].values())} vs "
+                         f"{' / '.join(f'{a:.3f}' for a in ref['al_per_seed'].values())})"
+                         if args.extra_seeds else ""))
     settings = (f"target {args.target} (snapshot {target}); data {args.data}; {args.steps} steps, batch "
                 f"{args.batch_size} x max {args.max_length} tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine "
                 f"to 0.1x), TTT {args.ttt_steps}, {args.precision}, {args.threads} thread(s); tokens/s after "
