@@ -293,14 +293,11 @@ def main() -> int:
         for seed in args.extra_seeds:
             name = f"seed{seed}-{row['trainer']}-{row['arch']}"
             out = work / name
-            if row["trainer"] == "eyas":
-                draft = out / "draft"
-                if not (args.reuse and (draft / "model.safetensors").is_file()):
-                    run(eyas_train(out, row["arch"], args.steps, seed), work / f"train-{name}.log", env)
-            else:
-                draft = out
-                if not (args.reuse and (draft / "model.safetensors").is_file()):
-                    run(modelopt_train(out, args.steps, seed), work / f"train-{name}.log", env)
+            eyas = row["trainer"] == "eyas"
+            draft = out / "draft" if eyas else out
+            if not (args.reuse and (draft / "model.safetensors").is_file()):
+                cmd = eyas_train(out, row["arch"], args.steps, seed) if eyas else modelopt_train(out, args.steps, seed)
+                run(cmd, work / f"train-{name}.log", env)
             row["al_per_seed"][seed] = evaluate(draft, name)["overall"]["acceptance_length"]
         row["al_mean"] = sum(row["al_per_seed"].values()) / len(row["al_per_seed"])
 
