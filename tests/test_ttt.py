@@ -7,7 +7,7 @@ from tiny import YARN, make_hf_checkpoint
 from eyas import load_model
 from eyas.models.attention import AttentionMetadata
 from eyas.train.trainer import init_draft, new_draft_config
-from eyas.train.ttt import draft_step, read_positions, ttt_loss
+from eyas.train.ttt import draft_step, read_positions, soft_cross_entropy, ttt_loss
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,18 @@ def test_loss_is_soft_cross_entropy_over_the_draft_vocab(target, draft_vocab):
         assert abs(out.loss_sums[k].item() - expected_sum) < 1e-3
     total = sum(0.5 ** k * out.loss_sums[k] / out.counts[k] for k in range(2))
     assert abs(out.loss.item() - total.item()) < 1e-5
+
+
+def test_soft_cross_entropy_stays_float32_under_bf16_autocast():
+    """--mixed-precision bf16 runs the loss under autocast, which would run the row-wise dot in bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(64, 2048, generator=g).mul(3).softmax(-1)
+    log_q = torch.randn(64, 2048, generator=g).mul(3).log_softmax(-1)
+    expected = -(p.double() * log_q.double()).sum(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ce = soft_cross_entropy(p, log_q)
+    assert ce.dtype == torch.float32
+    assert (ce.double() - expected).abs().max() < 1e-4
 
 
 def dense_ttt_loss(draft, ids, mask, aux, target_logits, steps, decay):

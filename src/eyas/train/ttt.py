@@ -120,6 +120,13 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
 
+def soft_cross_entropy(target_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """-sum_v p(v) log q(v) per row, in float32 even under autocast: CPU autocast runs vecdot in bfloat16, which
+    moved rows of 2,048 entries by up to 0.06 (tests/test_ttt.py)."""
+    with torch.autocast(log_probs.device.type, enabled=False):
+        return -torch.linalg.vecdot(target_probs.float(), log_probs.float())
+
+
 # rows move by index_select / index_copy on flat rows (b * length + t): on CPU they copy rows ~5x faster than
 # advanced indexing with (b, t)
 
@@ -170,7 +177,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         # the target's distribution at position t + 1 + k (<= T - 2 for a needed row)
         target_rows = row_of[b, t + 1 + k]
         target = target_probs.index_select(0, target_rows)  # [N_k, draft_vocab]
-        ce = -torch.linalg.vecdot(target, logits)
+        ce = soft_cross_entropy(target, logits)
         loss_sum = (ce * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
