@@ -76,6 +76,12 @@ def parse_args() -> argparse.Namespace:
                    help="every trainer alike. fp32: all float32. bf16: the frozen target in bfloat16 and the draft "
                    "under bfloat16 autocast with float32 weights (eyas: --target-dtype bfloat16 --mixed-precision "
                    "bf16; Model Optimizer: modelopt_train.py --precision bf16)")
+    p.add_argument("--draft-vocab-size", type=int, default=0, metavar="N",
+                   help="train every draft with a compressed vocabulary of N ids: `eyas calibrate-vocab` on --data "
+                   "once, the same d2t for every trainer (eyas: --vocab-file, its head initialised from the "
+                   "target's rows; Model Optimizer: draft_vocab_size + d2t, its own freshly initialised head). "
+                   "0 (default): the target's whole vocabulary (Model Optimizer then reuses the target's frozen "
+                   "lm_head; eyas trains a copy of it)")
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps left out of tokens/s")
     p.add_argument("--extra-seeds", type=int, nargs="+", default=[], metavar="SEED",
                    help="also train and evaluate every trainer with these seeds (draft init and batch order), for "
@@ -193,6 +199,12 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false")
     common = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
+    vocab = work / f"vocab-{args.draft_vocab_size}.safetensors"
+    if args.draft_vocab_size and not (args.reuse and vocab.is_file()):
+        run(["eyas", "calibrate-vocab", str(args.data), "--model", str(target), "--draft-vocab-size",
+             str(args.draft_vocab_size), "--max-length", str(args.max_length), "-o", str(vocab)],
+            work / "calibrate-vocab.log", env)
+    vocab_args = ["--vocab-file", str(vocab)] if args.draft_vocab_size else []
 
     def eyas_train(out: Path, arch: str, steps: int, seed: int = 0) -> list[str]:
         precision = (["--target-dtype", "bfloat16", "--mixed-precision", "bf16"] if args.precision == "bf16" else
@@ -200,14 +212,14 @@ def main() -> int:
         return ["eyas", "train", *precision, "--target", str(target), "--data", str(args.data), "--out", str(out),
                 "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(steps), "--lr",
                 str(args.lr), "--warmup-steps", str(args.warmup_steps),
-                "--save-every", str(steps), "--seed", str(seed), *common]
+                "--save-every", str(steps), "--seed", str(seed), *vocab_args, *common]
 
     def modelopt_train(out: Path, steps: int, seed: int = 0) -> list[str]:
         return [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
                 "--data", str(args.data), "--out", str(out), "--steps", str(steps), "--lr", str(args.lr),
                 "--warmup-steps", str(args.warmup_steps), "--ttt-steps", str(args.ttt_steps), "--threads",
                 str(args.threads), "--precision", args.precision, "--measure-after",
-                str(min(args.measure_after, steps - 1)), "--seed", str(seed), *common]
+                str(min(args.measure_after, steps - 1)), "--seed", str(seed), *vocab_args, *common]
 
     def evaluate(draft: Path, name: str) -> dict:
         report = work / f"eval-{name}.json"
@@ -331,7 +343,8 @@ def main() -> int:
                          if args.extra_seeds else ""))
     settings = (f"target {args.target} (snapshot {target}); data {args.data}; {args.steps} steps, batch "
                 f"{args.batch_size} x max {args.max_length} tokens, lr {args.lr} (warmup {args.warmup_steps}, cosine "
-                f"to 0.1x), TTT {args.ttt_steps}, {args.precision}, {args.threads} thread(s); tokens/s after "
+                f"to 0.1x), TTT {args.ttt_steps}, {args.precision}, draft vocabulary "
+                f"{args.draft_vocab_size or 'full'}, {args.threads} thread(s); tokens/s after "
                 f"{args.measure_after} warm-up steps; eval {args.prompts.name}, K={args.num_speculative_tokens}, "
                 f"greedy, max {args.max_new_tokens} new tokens")
     text = "\n".join([settings, "", *lines, "", *ratios,

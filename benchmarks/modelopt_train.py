@@ -70,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps excluded from tokens/s")
     p.add_argument("--log", help="per-step JSONL log (default OUT/train_log.jsonl)")
+    p.add_argument("--vocab-file", help="a compressed draft vocabulary from `eyas calibrate-vocab` (safetensors, "
+                   "'d2t'): the draft gets Model Optimizer's own compressed head (draft_vocab_size = len(d2t), its "
+                   "own lm_head, the d2t buffer set as Model Optimizer's draft-vocab cache loader sets it)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: target weights in bfloat16, the draft's forward/backward under bfloat16 autocast, "
                    "its weights and optimizer state float32")
@@ -226,6 +229,12 @@ def main() -> int:
         "intermediate_size": cfg.intermediate_size, "rms_norm_eps": cfg.rms_norm_eps,
         "torch_dtype": "float32",
     })
+    d2t = None
+    if args.vocab_file:
+        from safetensors.torch import load_file
+
+        d2t = load_file(args.vocab_file)["d2t"].to(torch.int64)
+        arch["draft_vocab_size"] = int(d2t.shape[0])
     eagle_cfg = {
         "eagle_decoder_type": "llama",
         "eagle_ttt_steps": args.ttt_steps,
@@ -237,6 +246,8 @@ def main() -> int:
     }
     torch.manual_seed(args.seed)
     mtsp.convert(model, [("eagle", eagle_cfg)])
+    if d2t is not None:  # what HFEagleModel.load_draft_vocab_cache does with its torch-saved d2t file
+        model.eagle_module.d2t.copy_(d2t)
     # convert casts the draft to the target's dtype; mixed precision keeps the trained weights in float32
     model.eagle_module.float()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
@@ -299,6 +310,7 @@ def main() -> int:
     model.eval()
     export_speculative_decoding(model, export_dir=out)
     result = {"trainer": "modelopt", "draft_arch": "mha (llama)", "steps": args.steps,
+              "draft_vocab_size": model.eagle_config.draft_vocab_size,
               "batch_size": args.batch_size, "max_length": args.max_length, "lr": args.lr,
               "threads": torch.get_num_threads(), "precision": args.precision,
               "trainable_params": n_params, "aux_layer_ids": aux_ids,
