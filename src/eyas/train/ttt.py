@@ -98,13 +98,15 @@ def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag
 
 
 def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-               past: list[tuple[torch.Tensor, torch.Tensor]],
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               past: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor | None = None,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One TTT step. Dense: hidden [B, T, H], tokens [B, T], positions [T]; returns the pre-norm output [B, T, H] and
     this step's (k, v) [B, T, ...]. With `rows` [N], flat rows b * T + t, hidden [N, H], tokens [N] and
     positions [N] hold only those rows: their q, k, v are placed in the dense layout for attention (other rows stay
     zero; no query that is kept reads them, since a later step's key is visible at its own position only) and the
-    output is [N, H]. `past` holds the dense (k, v) of the earlier steps, step 0 first."""
+    output is [N, H]. With `keep` [N] (dense inputs), every row makes its key and value but only the flat rows
+    `keep` go on through o_proj and the MLP: the output is [N, H]. `past` holds the dense (k, v) of the earlier
+    steps, step 0 first."""
     layer = draft.layers[0]
     attn = layer.self_attn
     embeds = draft.embed(tokens, hidden.dtype)
@@ -121,6 +123,8 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
         out = extended_attention(q, k, v, [], [], attn.scale)
     if rows is not None:
         out = _gather_rows(out, rows)
+    elif keep is not None:
+        out, hidden = _gather_rows(out, keep), _gather_rows(hidden, keep)
     h = hidden + attn.o_proj(out.flatten(-2))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
 
@@ -153,7 +157,8 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
 
     Only rows that some loss needs are computed past step 0's attention: step k keeps position t when a counted
     target exists at t for step k or a later one (a row's chain never looks at another row's later steps). Prompt and
-    padding rows cost their step-0 keys and nothing else; the loss is the same as computing every row."""
+    padding rows cost their step-0 keys and values (and a query in the dense step-0 attention) and nothing else; the
+    loss is the same as computing every row."""
     B, T = input_ids.shape
     if T < ttt_steps + 2:
         raise ValueError(f"sequences of {T} tokens are too short for {ttt_steps} TTT steps (need >= {ttt_steps + 2})")
@@ -163,12 +168,12 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
                for k in range(ttt_steps)]
     needed = [torch.stack(weights[k:]).sum(0) > 0 for k in range(ttt_steps)]  # [B, T] rows step k must compute
     base = torch.arange(T, device=input_ids.device)
-    # step 0, dense: every position's key and value are context for the later positions
+    # step 0: every position's key and value are context for the later positions; only the needed rows go on
+    # through o_proj and the MLP (the MLP is most of the layer's work)
     hidden = draft.fc(aux_hidden_states.flatten(-2).to(draft.fc.weight.dtype))  # [B, T, H]
-    prenorm, kv = draft_step(draft, hidden, F.pad(input_ids[:, 1:], (0, 1)), base, [])
-    past = [kv]
     b, t = needed[0].nonzero(as_tuple=True)
-    prenorm = _gather_rows(prenorm, b * T + t)  # [N_0, H]
+    prenorm, kv = draft_step(draft, hidden, F.pad(input_ids[:, 1:], (0, 1)), base, [], keep=b * T + t)  # [N_0, H]
+    past = [kv]
     total = prenorm.new_zeros((), dtype=torch.float32)
     loss_sums, counts, correct = [], [], []
     for k in range(ttt_steps):
