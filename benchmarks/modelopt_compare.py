@@ -9,7 +9,8 @@ the eyas / Model Optimizer ratios.
 
 Training tokens/s, both trainers: batch x padded positions per step (the same tensors: same batches, padded to the
 longest sequence of the batch), over the steps after --measure-after warm-up steps, divided by their wall time
-(target forward + draft train-time-test forward/backward + optimizer step; loading and export excluded). For eyas
+(each loop iteration whole: batch assembly, target forward, draft train-time-test forward/backward, optimizer step;
+loading and export excluded). For eyas
 it is recovered from its train_log.jsonl (cumulative tokens/s per step, with the per-step token counts recomputed
 from eyas's own batch order).
 

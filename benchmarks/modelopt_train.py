@@ -22,8 +22,9 @@ What it does, matching `eyas train` wherever the comparison needs it:
   * optimizer: plain torch AdamW (betas 0.9/0.95, no weight decay), linear warmup then cosine to 0.1 x lr, grad
     clip 0.5 - eyas's defaults - over the draft's trainable parameters;
   * throughput: training tokens/s = batch x padded positions per step, summed over the steps after
-    --measure-after warm-up steps, divided by their wall time (target forward + draft TTT forward/backward +
-    optimizer step; loading, tokenizing and export excluded);
+    --measure-after warm-up steps, divided by their wall time (each loop iteration whole, as eyas's log times
+    it: batch assembly, target forward, draft TTT forward/backward, optimizer step; loading, tokenizing and export
+    excluded);
   * export: Model Optimizer's own deployment export (`export_speculative_decoding`, i.e. the EagleExporter behind
     `examples/speculative_decoding/scripts/export_hf_checkpoint.py`) to --out: model.safetensors + config.json.
 
@@ -272,6 +273,7 @@ def main() -> int:
     measured_tokens, measured_time, all_tokens, all_time = 0, 0.0, 0, 0.0
     last_len = None
     for step in range(args.steps):
+        t0 = time.perf_counter()  # the whole iteration, as eyas's log times it: batch assembly included
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step)
         idx = batch_indices(torch, len(examples), step, args.batch_size, args.seed)
@@ -279,7 +281,6 @@ def main() -> int:
         if input_ids.shape[1] != last_len:  # WORKAROUND 3: the TTT mask cache is keyed by step, not length
             model._cached_attn_blk_masks.clear()
             last_len = input_ids.shape[1]
-        t0 = time.perf_counter()
         with autocast:
             output = model(input_ids=input_ids, loss_mask=loss_mask)
         loss = output.loss
