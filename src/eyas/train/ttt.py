@@ -16,7 +16,7 @@ step-0 keys [t=0, t=1], step-1 key [t=1], step-2 key [t=1] -> 4 visible keys; st
 
 Loss per step: soft cross-entropy between the target's softmax and the draft's log-softmax over the draft vocabulary
 (forward KL up to a constant), averaged over positions whose predicted token is loss-masked (assistant tokens) and
-whose target argmax lies in the draft vocabulary; steps weighted decay^k.
+whose target top token lies in the draft vocabulary (a tie with an id outside it counts); steps weighted decay^k.
 """
 
 from __future__ import annotations
