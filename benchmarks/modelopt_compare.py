@@ -10,9 +10,8 @@ the eyas / Model Optimizer ratios.
 Training tokens/s, both trainers: batch x padded positions per step (the same tensors: same batches, padded to the
 longest sequence of the batch), over the steps after --measure-after warm-up steps, divided by their wall time
 (each loop iteration whole: batch assembly, target forward, draft train-time-test forward/backward, optimizer step;
-loading and export excluded). For eyas
-it is recovered from its train_log.jsonl (cumulative tokens/s per step, with the per-step token counts recomputed
-from eyas's own batch order).
+loading and export excluded). For eyas it is recovered from its train_log.jsonl (cumulative tokens/s per step, with
+the per-step token counts recomputed from eyas's own batch order).
 
 The target directory is snapshotted (copied) first, so a checkpoint being rewritten by another job is never read
 half-written; every run uses the snapshot.

@@ -300,6 +300,12 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def target_ids_of(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id: i + d2t[i]. Worked example: d2t = [0, 0, 3] puts draft ids 0, 1, 2 at
+    target ids 0, 1, 5."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft head. `embed_tokens` is the target's module (shared); `lm_head` is the draft's own, or the
     target's when the checkpoint has none (then draft vocab = target vocab)."""
@@ -351,8 +357,7 @@ class Eagle3Draft(nn.Module):
         logits = self.lm_head(self.norm(prenorm))  # [..., draft_vocab]
         if not self.config.compressed_vocab:
             return logits
-        # worked example: d2t = [0, 0, 3] puts draft ids 0, 1, 2 at target ids 0, 1, 5
-        target_ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        target_ids = target_ids_of(self.d2t)
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         out[..., target_ids] = logits
         return out
@@ -517,7 +522,7 @@ def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, pa
         raise CheckpointError(f"{path}: 'lm_head.weight' has {tensors['lm_head.weight'].shape[0]} rows; expected "
                               f"draft_vocab_size={config.draft_vocab_size}")
     d2t = d2t.long()
-    target_ids = torch.arange(d2t.shape[0]) + d2t
+    target_ids = target_ids_of(d2t)
     if target_ids.min() < 0 or target_ids.max() >= config.vocab_size or target_ids.unique().numel() != d2t.numel():
         raise CheckpointError(f"{path}: 'd2t' maps draft ids to target ids outside 0..{config.vocab_size - 1} "
                               "or to one target id twice")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
-from eyas.models.eagle3 import Eagle3Config, Eagle3Draft
+from eyas.models.eagle3 import Eagle3Config, Eagle3Draft, target_ids_of
 from eyas.train.ttt import TTTOutput, read_positions, ttt_loss
 
 
@@ -133,7 +133,7 @@ def init_draft(target: DeepseekV3ForCausalLM, config: Eagle3Config, d2t: torch.T
         if d2t is None or d2t.shape[0] != config.draft_vocab_size:
             raise ValueError(f"a draft vocabulary of {config.draft_vocab_size} needs a d2t map of that length")
         draft.d2t.copy_(d2t)
-        rows = torch.arange(config.draft_vocab_size) + d2t
+        rows = target_ids_of(d2t)
         draft.t2d.zero_()
         draft.t2d[rows] = True
     with torch.no_grad():

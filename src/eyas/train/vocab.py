@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from eyas.models.eagle3 import target_ids_of
 from eyas.train.data import Example
 
 log = logging.getLogger("eyas")
@@ -77,7 +78,7 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, source: str = "vocab") -> 
         raise ValueError(f"{source}: d2t must be a 1-d int64 tensor, got {d2t.dtype} {tuple(d2t.shape)}")
     if t2d.dtype != torch.bool or t2d.dim() != 1:
         raise ValueError(f"{source}: t2d must be a 1-d bool tensor, got {t2d.dtype} {tuple(t2d.shape)}")
-    target_ids = torch.arange(d2t.shape[0]) + d2t
+    target_ids = target_ids_of(d2t)
     if not torch.equal(target_ids, t2d.nonzero().flatten()):
         raise ValueError(f"{source}: d2t and t2d disagree (d2t must map draft id i to the i-th kept target id, "
                          "ascending, and t2d must mark exactly those ids)")
