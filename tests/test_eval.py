@@ -61,3 +61,31 @@ def test_bad_prompts_file(tmp_path):
     bad.write_text('{"category": "x"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
         read_prompts(bad)
+
+
+def test_a_random_draft_is_reported_slower_than_plain(tmp_path, capsys):
+    """A draft that accepts nothing costs K draft steps and K extra verify rows for no gain: eval measures the
+    speed against plain decoding on the same engine, and both eval and generate say it does not pay."""
+    from eyas.checkpoint import load_model
+    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.eval.acceptance import slower_than_plain_warning
+    from eyas.export import save_draft
+    from eyas.train.trainer import init_draft, new_draft_config
+
+    assert slower_than_plain_warning(0.96, 96, 100, 1.2) is None  # within timing noise: no warning
+    assert "costs more than it saves" in slower_than_plain_warning(0.5, 50, 100, 1.0)
+    target = load_model(DEFAULT_MODEL)
+    draft = init_draft(target, new_draft_config(target.config, "mla", (2, 4, 5), 0), seed=1)
+    torch.nn.init.normal_(draft.lm_head.weight, std=1.0)  # proposals unrelated to the target's
+    save_draft(draft, tmp_path / "random")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "code", "prompt": f"def f_{i}(x):\n"}) + "\n"
+                               for i in range(2)))
+    args = ["--speculative-method", "eagle", "--draft-model", str(tmp_path / "random"), "--num-speculative-tokens",
+            "5", "--max-new-tokens", "48"]
+    assert cli(["eval", str(prompts), *args, "--speed-prompts", "2", "--out", str(tmp_path / "r.json")]) == 0
+    speed = json.loads((tmp_path / "r.json").read_text())["speed"]
+    assert speed["acceptance_length"] < 1.3 and speed["speedup"] < 0.95 and speed["same_tokens_as_plain"]
+    assert "costs more than it saves" in capsys.readouterr().err
+    assert cli(["generate", "--prompt", "def f(x):\n", *args]) == 0
+    assert "costs more than it saves" in capsys.readouterr().err

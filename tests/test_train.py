@@ -307,3 +307,75 @@ def test_resume_across_fsdp_and_world_sizes(setup, tmp_path):
     assert [r["step"] for r in read_log(root / "mixed" / "train_log.jsonl")] == [1, 2, 3, 4]
     run_torchrun(until(6, fsdp=True))
     assert_same_steps(read_log(root / "mixed_whole" / "train_log.jsonl"), read_log(root / "mixed" / "train_log.jsonl"))
+
+
+def run_cli_captured(args):
+    return subprocess.run([sys.executable, "-m", "eyas.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(setup):
+    """SIGINT mid-run: the step in progress finishes, a checkpoint of it is written, the exit code is 130 and
+    stderr carries no traceback; --resume then completes the run."""
+    import torch
+
+    root = setup[0]
+    args = cli_args(setup, "interrupted", steps=400)
+    args[args.index("--save-every") + 1] = "1000"  # nothing would be saved before the end but for the interrupt
+    proc = run_cli(args)
+    log = root / "interrupted" / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    state = torch.load(root / "interrupted" / "checkpoint" / "state.pt", weights_only=True)
+    steps = [r["step"] for r in read_log(log)]
+    assert 3 <= state["step"] < 400 and steps == list(range(1, state["step"] + 1))
+    assert (root / "interrupted" / "draft" / "model.safetensors").is_file()
+    finished = run_cli_captured(cli_args(setup, "interrupted", steps=state["step"] + 2) + ["--resume"])
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert [r["step"] for r in read_log(log)] == list(range(1, state["step"] + 3))
+
+
+def test_resume_with_a_larger_max_steps_extends_the_run(setup):
+    root = setup[0]
+    assert run_cli_captured(cli_args(setup, "extended", steps=6)).returncode == 0
+    before = read_log(root / "extended" / "train_log.jsonl")
+    again = run_cli_captured(cli_args(setup, "extended", steps=6))  # the same --out without --resume
+    assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
+    extended = run_cli_captured(cli_args(setup, "extended", steps=10) + ["--resume"])
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    after = read_log(root / "extended" / "train_log.jsonl")
+    assert [r["step"] for r in after] == list(range(1, 11))
+    assert [r["loss"] for r in after[:6]] == [r["loss"] for r in before]
+    assert after[9]["lr"] != before[5]["lr"]  # the schedule now runs to step 10
+
+
+def test_recipe_file_round_trip(setup, tmp_path):
+    """The settings file a run writes reads back, through --config, as the same TrainConfig; the command line
+    wins over the file; a key eyas does not know, or a value of the wrong kind, is an error naming it."""
+    from eyas.cli import parse_args
+    from eyas.train.trainer import RECIPE_NAME, config_from_args
+
+    cfg = config(setup, "recipe", max_steps=2, save_every=2, draft_vocab_size=512, freeze_lm_head=True,
+                 eval_prompts=None, threads=1)
+    train(cfg)
+    recipe = setup[0] / "recipe" / RECIPE_NAME
+    assert config_from_args(parse_args(["train", "--config", str(recipe)])) == cfg
+    overridden = config_from_args(parse_args(["train", "--config", str(recipe), "--lr", "0.5"]))
+    assert overridden.lr == 0.5 and overridden.max_steps == cfg.max_steps
+    hand_written = tmp_path / "r.yaml"
+    hand_written.write_text("max-steps: 7\nlr: 3e-3\naux_layer_ids: [1, 2, 3]\nfreeze_lm_head: true\n")
+    read = parse_args(["train", "--config", str(hand_written)])
+    assert (read.max_steps, read.lr, read.aux_layer_ids, read.freeze_lm_head) == (7, 3e-3, [1, 2, 3], True)
+    for text, message in [("max_stepz: 3\n", "unknown setting 'max_stepz'"),
+                          ("max_steps: 2.5\n", "max_steps expects int"),
+                          ("freeze_lm_head: 1\n", "freeze_lm_head is a switch"),
+                          ("draft_arch: gru\n", "draft_arch is 'gru'"),
+                          ("aux_layer_ids: 3\n", "aux_layer_ids expects a list")]:
+        hand_written.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            parse_args(["train", "--config", str(hand_written)])

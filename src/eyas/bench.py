@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.engine.llm import DEFAULT_MODEL
+from eyas.threads import THREADS_HELP
 
 if TYPE_CHECKING:
     import httpx
@@ -359,10 +360,9 @@ def bench_servers(args: argparse.Namespace, repeat: int = 0) -> Iterator[tuple[s
     if args.base_url:
         yield "server", args.base_url.rstrip("/"), args.served_model_name or _remote_model(args)
         return
-    from eyas.cli import set_threads, speculative_config
+    from eyas.cli import speculative_config
     from eyas.engine.llm import LLM
 
-    set_threads(args.threads, args.device)
     spec = speculative_config(args)
     name = args.served_model_name or Path(args.model).name
     servers = (("plain", None), ("speculative", spec))
@@ -371,7 +371,7 @@ def bench_servers(args: argparse.Namespace, repeat: int = 0) -> Iterator[tuple[s
             continue
         llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                   max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
-                  speculative_config=config)
+                  speculative_config=config, threads=args.threads)
         with serve_in_thread(llm, name) as url:
             yield label, url, name
         del llm
@@ -449,7 +449,7 @@ def add_cli(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks", description="Benchmarks.")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("serve", help="load an OpenAI-compatible server and report TTFT, TPOT, throughput",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=bench.formatter_class)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint to serve (and whose "
                    "tokenizer draws random prompts); default: the bundled tiny DeepSeek-V3")
     p.add_argument("--base-url", help="load this running server instead of starting one (e.g. "
@@ -481,6 +481,6 @@ def add_cli(subparsers) -> None:
     s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU)")
+    s.add_argument("--threads", type=int, help=THREADS_HELP)
     add_speculative_args(p)
     p.set_defaults(func=_bench_serve)

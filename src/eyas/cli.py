@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
 from eyas.engine.llm import DEFAULT_MODEL
+from eyas.threads import THREADS_HELP
 
 
 def _read_prompt_file(path: Path) -> list[str | list[dict]]:
@@ -33,21 +36,10 @@ def _read_prompt_file(path: Path) -> list[str | list[dict]]:
     return prompts
 
 
-def set_threads(threads: int | None, device: str) -> None:
-    """On CPU, tiny models decode several times faster on one thread than on two (thread sync dominates)."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
-    elif device == "cpu":
-        torch.set_num_threads(1)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from eyas.config import SamplingParams
     from eyas.engine.llm import LLM
 
-    set_threads(args.threads, args.device)
     if args.prompt_file:
         prompts = _read_prompt_file(args.prompt_file)
     else:
@@ -58,8 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or [],
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=min(args.max_num_seqs, len(prompts)),
-              kv_cache_memory_gb=args.kv_cache_memory,
-              speculative_config=speculative_config(args))
+              kv_cache_memory_gb=args.kv_cache_memory, speculative_config=speculative_config(args),
+              threads=args.threads)
     outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
     for prompt, out in zip(prompts, outputs):
         if args.json:
@@ -78,7 +70,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
             spec = f", acceptance length {out.acceptance_length:.2f}" if llm.speculative is not None else ""
             print(f"-- {out.num_generated} tokens, {out.tokens_per_second:.1f} tok/s, {out.finish_reason}{spec}",
                   file=sys.stderr)
+    if llm.speculative is not None and args.speed_check and len(prompts) <= llm.scheduler.max_num_seqs:
+        warn_if_slower_than_plain(llm, prompts, params, outputs)
     return 0
+
+
+def warn_if_slower_than_plain(llm, prompts: list, params, outputs: list) -> None:
+    """Decode the same prompts plain (up to 32 tokens each) and warn when the speculative run decoded slower: a
+    weak draft must not pass unnoticed. Decode speed excludes the prefill, so runs of different lengths compare."""
+    from dataclasses import replace
+
+    from eyas.eval.acceptance import slower_than_plain_warning
+
+    with llm.plain_decoding():
+        plain = llm.generate(prompts, replace(params, max_tokens=min(params.max_tokens, 32)))
+
+    def rate(outs) -> float:
+        rates = [o.decode_tokens_per_second for o in outs if o.num_generated > 1]
+        return sum(rates) / len(rates) if rates else 0.0
+
+    spec_rate, plain_rate = rate(outputs), rate(plain)
+    if spec_rate and plain_rate:
+        steps = sum(o.num_verify_steps for o in outputs)
+        al = 1 + sum(o.num_accepted for o in outputs) / steps if steps else 1.0
+        warning = slower_than_plain_warning(spec_rate / plain_rate, spec_rate, plain_rate, al)
+        if warning:
+            print(warning, file=sys.stderr)
 
 
 def speculative_config(args: argparse.Namespace):
@@ -165,12 +182,38 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions keep their line breaks (long lines are wrapped); every option's help ends with its default."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         if line.strip() else "" for line in text.strip("\n").splitlines())
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def _show_every_default(parser: argparse.ArgumentParser) -> None:
+    """argparse prints no help line, so no default, for an option without help text: give each one its default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_every_default(sub)
+        elif action.help is None and action.default not in (None, False):
+            action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="eyas", description="EAGLE-3 speculative decoding for DeepSeek-V3-family models. Every command's "
+        prog="eyas", formatter_class=HelpFormatter,
+        description="EAGLE-3 speculative decoding for DeepSeek-V3-family models. Every command's "
         "default model is the tiny DeepSeek-V3 shipped in examples/, so each runs on a fresh machine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
 
     g = sub.add_parser("generate", help="run the target on prompts (batched, paged KV cache)",
                        description="Generate continuations. Prompts come from --prompt (repeatable) or "
@@ -195,9 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
     g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small models)")
+    g.add_argument("--threads", type=int, help=THREADS_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, "
                    "num_generated, finish_reason, time_to_first_token, tokens_per_second")
+    g.add_argument("--no-speed-check", dest="speed_check", action="store_false", help="with a draft, skip the "
+                   "short plain-decoding run that warns when speculation was slower than plain decoding")
     add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -205,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eyas.eval.acceptance import add_cli as add_eval
     from eyas.export import add_cli as add_export
     from eyas.inspect import add_cli as add_inspect
+    from eyas.pipeline import add_cli as add_pipeline
     from eyas.serve.cli import add_cli as add_serve
     from eyas.train.hidden_states import add_cli as add_dump_hidden_states
     from eyas.train.regenerate import add_cli as add_regenerate
@@ -220,20 +266,98 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect(sub)
     add_serve(sub)
     add_bench(sub)
+    add_pipeline(sub)
+    _show_every_default(parser)
     return parser
 
 
+def settings_from_file(path: Path, parser: argparse.ArgumentParser, command: str) -> dict:
+    """The options a YAML recipe sets for `parser` (a command's parser), as argparse destinations."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the recipe ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings (key: value lines), got {type(data).__name__}")
+    return settings_from_mapping(data, parser, command, str(path))
+
+
+def settings_from_mapping(data: dict, parser: argparse.ArgumentParser, command: str, where: str) -> dict:
+    """{option: value} (option names with dashes or underscores) checked against `parser`'s options and converted
+    as the command line would; an unknown key, or a value of the wrong kind, is an error naming it."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    settings = {}
+    for key, value in data.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            raise ValueError(f"{where}: unknown setting {key!r} for eyas {command} (known: "
+                             f"{', '.join(sorted(actions))})")
+        settings[action.dest] = _setting_value(where, key, value, action)
+    return settings
+
+
+def _setting_value(path: str, key: str, value, action: argparse.Action):
+    if value is None:
+        return None
+    if action.nargs == 0:  # a switch: --resume, --fsdp, ...
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: {key} is a switch; expected true or false, got {value!r}")
+        return value
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    if many != isinstance(value, list) or isinstance(value, dict):
+        raise ValueError(f"{path}: {key} expects {'a list' if many else 'one value'}, got {value!r}")
+    convert = action.type or str
+
+    def one(v):
+        if isinstance(v, (bool, list, dict)) or (convert is int and not isinstance(v, int)):
+            raise ValueError(f"{path}: {key} expects {getattr(convert, '__name__', 'a value')} values, got {v!r}")
+        try:
+            return convert(str(v) if convert is not int else v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {key}: {v!r} is not a valid {getattr(convert, '__name__', 'value')}") from e
+
+    converted = [one(v) for v in value] if many else one(value)
+    for v in converted if many else [converted]:
+        if action.choices is not None and v not in action.choices:
+            raise ValueError(f"{path}: {key} is {v!r}; expected one of {', '.join(map(str, action.choices))}")
+    return converted
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a command's `--config RECIPE.yaml` read as its defaults (the command line wins)."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is not None:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command_parser = commands.choices[args.command]
+        command_parser.set_defaults(**settings_from_file(args.config, command_parser, args.command))
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="eyas: %(message)s")
     from eyas.checkpoint import CheckpointError
     from eyas.config import ConfigError
 
+    command = "eyas"
     try:
+        args = parse_args(argv)
+        command = f"eyas {args.command}"
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="eyas: %(message)s")
         return args.func(args)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
-        print(f"eyas {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as e:
-        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from e
+        raise ValueError("structured output (response_format, guided_regex) needs the optional xgrammar package: "
+                         "pip install 'eyas[structured]'") from e
     return xgrammar
 
 

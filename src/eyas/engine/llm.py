@@ -4,7 +4,9 @@ schedule -> run -> sample -> postprocess (append, stop, free)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +23,12 @@ from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
 from eyas.engine.speculative import SpeculativeDecoder
 from eyas.models.layers import pack_for_inference
+from eyas.threads import configure_threads
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
 DEFAULT_DRAFT = DEFAULT_MODEL.parent / "tiny-deepseek-v3-eagle3-mla"  # its trained EAGLE-3 MLA draft
+DEFAULT_DATA = DEFAULT_MODEL.parent / "data" / "conversations.jsonl"  # a first draft's training data, for it
+DEFAULT_EVAL_PROMPTS = DEFAULT_MODEL.parent / "prompts" / "eval.jsonl"  # held-out prompts, for it
 
 
 @dataclass(slots=True)
@@ -50,6 +55,12 @@ class RequestOutput:
     def tokens_per_second(self) -> float:
         return self.num_generated / self.elapsed if self.elapsed > 0 else 0.0
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second after the first: the decode speed, without the prompt's prefill."""
+        decode_time = self.elapsed - self.time_to_first_token
+        return (self.num_generated - 1) / decode_time if self.num_generated > 1 and decode_time > 0 else 0.0
+
 
 class PromptTooLong(ValueError):
     pass
@@ -61,15 +72,18 @@ class LLM:
                  num_blocks: int | None = None, max_num_batched_tokens: int = 512,
                  kv_cache_memory_gb: float | None = None,
                  speculative_method: str | None = None, draft_model: str | Path | None = None,
-                 num_speculative_tokens: int = 3, speculative_config: SpeculativeConfig | None = None) -> None:
+                 num_speculative_tokens: int = 3, speculative_config: SpeculativeConfig | None = None,
+                 threads: int | None = None) -> None:
         """`speculative_method` "eagle" (with `draft_model`) or "mtp" turns on speculative decoding;
-        `speculative_config` gives every speculative setting at once."""
+        `speculative_config` gives every speculative setting at once. `threads`: torch CPU threads (default: the
+        rule in eyas.threads, 1 on CPU for small models), set for the whole process."""
         if speculative_config is None and speculative_method not in (None, "none"):
             speculative_config = SpeculativeConfig(
                 method=speculative_method, draft_model=str(draft_model) if draft_model else None,
                 num_speculative_tokens=num_speculative_tokens)
         self.speculative_config = speculative_config
         self.model = load_model(model, dtype=dtype, device=device)
+        self.num_threads = configure_threads(self.model, threads)
         pack_for_inference(self.model)
         config = self.model.config
         self.tokenizer = load_tokenizer(model)
@@ -217,8 +231,9 @@ class LLM:
 
     def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or chat messages); outputs in prompt order."""
+                 use_tqdm: bool = False, on_finish: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or chat messages); outputs in prompt order. `on_finish(i)` is
+        called as prompt i's request finishes (for progress reports)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -226,11 +241,29 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        index = {id(s): i for i, s in enumerate(seqs)}
         bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm)
         while self.scheduler.has_work():
-            bar.update(len(self.step()))
+            finished = self.step()
+            bar.update(len(finished))
+            if on_finish is not None:
+                for seq in finished:
+                    if id(seq) in index:
+                        on_finish(index[id(seq)])
         bar.close()
         return [self.output(s) for s in seqs]
+
+    @contextmanager
+    def plain_decoding(self) -> Iterator[None]:
+        """Requests started inside the block run on the target alone, with no draft: a baseline for the speed of
+        speculative decoding on the same engine. No request may be in flight on entry."""
+        if self.scheduler.has_work():
+            raise RuntimeError("plain_decoding() needs an idle engine: finish the running requests first")
+        speculative, self.speculative = self.speculative, None
+        try:
+            yield
+        finally:
+            self.speculative = speculative
 
     def abort(self, seq: Sequence) -> None:
         """Cancel a request between steps: it finishes with reason "abort" and its KV blocks are freed now."""
@@ -282,4 +315,8 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # eyas checks lengths itself, against the model's context, with an error naming both: transformers' own warning
+    # about model_max_length ("... will result in indexing errors") would come first and say less
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer

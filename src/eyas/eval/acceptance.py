@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from eyas.config import SamplingParams
+from eyas.threads import THREADS_HELP
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -76,6 +80,61 @@ def _summary(c: dict) -> dict:
             "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
 
 
+def speed_against_plain(llm, prompts: list, params: SamplingParams) -> dict:
+    """Each prompt generated alone (batch 1, where speculation is meant to pay), plain and then speculative on the
+    same engine: tokens per second of each over all prompts, their ratio, and (greedy) whether the tokens matched."""
+    warm = replace(params, max_tokens=min(4, params.max_tokens))
+    with llm.plain_decoding():
+        llm.generate(prompts[:1], warm)
+    llm.generate(prompts[:1], warm)
+    totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
+    same, verify_steps, accepted = True, 0, 0
+    for prompt in prompts:
+        start = time.perf_counter()
+        with llm.plain_decoding():
+            plain = llm.generate([prompt], params)[0]
+        middle = time.perf_counter()
+        spec = llm.generate([prompt], params)[0]
+        end = time.perf_counter()
+        totals["plain"][0] += plain.num_generated
+        totals["plain"][1] += middle - start
+        totals["speculative"][0] += spec.num_generated
+        totals["speculative"][1] += end - middle
+        same = same and plain.token_ids == spec.token_ids
+        verify_steps += spec.num_verify_steps
+        accepted += spec.num_accepted
+    rates = {k: n / t if t > 0 else 0.0 for k, (n, t) in totals.items()}
+    return {"prompts": len(prompts), "batch_size": 1, "plain_tokens_per_s": round(rates["plain"], 1),
+            "speculative_tokens_per_s": round(rates["speculative"], 1),
+            "speedup": round(rates["speculative"] / rates["plain"], 3) if rates["plain"] else 0.0,
+            "acceptance_length": round(1 + accepted / verify_steps, 4) if verify_steps else 1.0,
+            "same_tokens_as_plain": same if params.greedy else None}
+
+
+def slower_than_plain_warning(speedup: float, speculative_rate: float, plain_rate: float,
+                              acceptance_length: float) -> str | None:
+    """The warning for a draft that costs more than it saves (more than 5% slower than plain decoding, so timing
+    noise alone does not raise it), or None."""
+    if speedup >= 0.95:
+        return None
+    return (f"warning: speculative decoding ran at {speedup:.2f}x the speed of plain decoding on these prompts "
+            f"({speculative_rate:.0f} vs {plain_rate:.0f} tok/s, acceptance length {acceptance_length:.2f}): this "
+            "draft costs more than it saves; decode with --speculative-method none, or train the draft longer")
+
+
+def draft_title(spec, model: Path) -> str:
+    """What a plot is of: the draft (its architecture and directory) and the target."""
+    if spec.method == "mtp":
+        return f"MTP layer of {Path(model).name}, K={spec.num_speculative_tokens}"
+    path = Path(spec.draft_model).resolve()
+    name = f"{path.parent.name}/{path.name}" if path.name in ("draft", "checkpoint") else path.name
+    try:
+        arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        arch = "EAGLE-3"
+    return f"{arch} {name} for {Path(model).name}, K={spec.num_speculative_tokens}"
+
+
 def plot_report(report: dict, png: Path, title: str) -> None:
     import matplotlib
 
@@ -109,33 +168,40 @@ def add_cli(subparsers) -> None:
 
     p = subparsers.add_parser(
         "eval", help="acceptance length per category of a draft on a prompts file, through the engine",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__)
     p.add_argument("prompts", type=Path, help="JSONL prompts file (category + turns, or category + prompt)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
+    p.add_argument("--speed-prompts", type=int, default=8, help="also time this many prompts (spread over the "
+                   "file, first turns) one at a time, plain and speculative on the same engine, and report the "
+                   "speedup; 0: skip")
     add_speculative_args(p)
     p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from eyas.cli import set_threads, speculative_config
+    from eyas.cli import speculative_config
     from eyas.engine.llm import LLM
 
-    set_threads(args.threads, "cpu")
     spec = speculative_config(args)
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
     spec.disable_batch_size = args.speculative_disable_batch_size or None  # acceptance is measured: draft always
     records = read_prompts(args.prompts)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec, threads=args.threads)
     params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
                             max_tokens=args.max_new_tokens)
     report = evaluate(llm, records, params)
+    if args.speed_prompts > 0:
+        sample = records[::max(1, len(records) // args.speed_prompts)][:args.speed_prompts]
+        report["speed"] = speed_against_plain(llm, [r["prompt"] if r["prompt"] is not None else
+                                                    [{"role": "user", "content": r["turns"][0]}] for r in sample],
+                                              params)
     report["settings"] = {"model": str(args.model), "method": spec.method, "draft_model": spec.draft_model,
                           "num_speculative_tokens": spec.num_speculative_tokens,
                           "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
@@ -145,8 +211,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-        draft = Path(spec.draft_model).name if spec.draft_model else "the target's MTP layer"
-        title = f"{spec.method}: {draft}, K={spec.num_speculative_tokens}"
-        plot_report(report, args.out.with_suffix(".png"), title)
+        plot_report(report, args.out.with_suffix(".png"), draft_title(spec, args.model))
+    overall = report["overall"]
+    line = f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests"
+    if "speed" in report:
+        speed = report["speed"]
+        line += (f"; one request at a time, {speed['speedup']:.2f}x plain decoding "
+                 f"({speed['speculative_tokens_per_s']:.0f} vs {speed['plain_tokens_per_s']:.0f} tok/s)")
+        warning = slower_than_plain_warning(speed["speedup"], speed["speculative_tokens_per_s"],
+                                            speed["plain_tokens_per_s"], speed["acceptance_length"])
+        if warning:
+            line += "\n" + warning
+    print(line, file=sys.stderr)
     return 0
-

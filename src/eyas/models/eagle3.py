@@ -383,8 +383,9 @@ _KEY_RULES = (
     (re.compile(r"^midlayer\."), "layers.0."),  # SGLang / SpecForge
     (re.compile(r"^model\.(layers\.\d+\.|fc\.|norm\.|embed_tokens\.)"), r"\1"),  # vLLM-style exports
 )
-_LAYOUTS = (("midlayer.", "midlayer. (SGLang/SpecForge)"), ("model.layers.", "model.layers.0. (vLLM)"),
-            ("layers.", "layers.0. (Model Optimizer/MAX)"))
+# labelled by every engine that writes each (eyas's own vllm, max and modelopt exports all write layers.0.)
+_LAYOUTS = (("midlayer.", "midlayer. (SGLang, SpecForge)"), ("model.layers.", "model.layers.0. (some vLLM exports)"),
+            ("layers.", "layers.0. (eyas, vLLM, MAX, Model Optimizer)"))
 
 
 def canonical_key(key: str) -> str:

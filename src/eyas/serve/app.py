@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,7 +44,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client i
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> AccessLog:
     """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`."""
     metrics = ServerMetrics(model_name)
     engine = EngineLoop(llm, metrics)
@@ -110,7 +112,38 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
         return await _respond(request, engine, body, messages, max_tokens, "chat.completion", model_name)
 
     app.include_router(v1)
-    return app
+    return AccessLog(app)
+
+
+class AccessLog:
+    """One log line per request once its response has ended (streams included): client, method, route, status,
+    prompt + generated tokens, seconds. Written to the "eyas.access" logger."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.state = app.state  # what tests and the engine thread reach through the app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def send_and_record(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            usage = scope.get("state", {}).get("usage")
+            tokens = f" {usage[0]}+{usage[1]} tokens" if usage else ""
+            client = scope.get("client") or ("-", 0)
+            ACCESS_LOG.info('%s "%s %s" %s%s %.3fs', client[0], scope["method"], scope["path"], status[0] or "-",
+                            tokens, time.perf_counter() - start)
+
+
+ACCESS_LOG = logging.getLogger("eyas.access")
 
 
 async def _parse(request: Request, cls: type[BaseModel], model_name: str):
@@ -194,6 +227,7 @@ async def _updates(request: Request, engine: EngineLoop, req: EngineRequest) -> 
                 continue
             if isinstance(item, ApiError):
                 raise item
+            request.state.usage = (item.num_prompt_tokens, item.num_generated)  # for the access log
             yield item
             if item.finish_reason is not None:
                 return
@@ -249,14 +283,38 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, then run uvicorn until interrupted."""
     import uvicorn
 
-    from eyas.cli import set_threads, speculative_config
+    from eyas.cli import speculative_config
 
-    set_threads(args.threads, args.device)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
-              speculative_config=speculative_config(args))
+              speculative_config=speculative_config(args), threads=args.threads)
     name = args.served_model_name or Path(args.model).name
     app = build_app(llm, name, api_key=args.api_key)
+    if args.access_log:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        ACCESS_LOG.addHandler(handler)
+        ACCESS_LOG.setLevel(logging.INFO)
+        ACCESS_LOG.propagate = False
+    print(banner(llm, name, args), file=sys.stderr, flush=True)
     log_level = "info" if getattr(args, "verbose", False) else "warning"
-    uvicorn.run(app, host=args.host, port=args.port, log_level=log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=log_level, access_log=False)
     return 0
+
+
+def banner(llm: LLM, name: str, args: argparse.Namespace) -> str:
+    """What is served, how, and where."""
+    spec = llm.speculative_config
+    if spec is None:
+        how = "plain decoding"
+    else:
+        draft = "its own MTP layer" if spec.method == "mtp" else f"EAGLE-3 draft {spec.draft_model}"
+        off = f", drafting off from {spec.disable_batch_size} running sequences" if spec.disable_batch_size else ""
+        how = f"speculative decoding with {draft}, K={spec.num_speculative_tokens}{off}"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    auth = "; an API key is required" if args.api_key else ""
+    return (f"eyas serve: {name} ({args.model}), {how}; up to {llm.scheduler.max_num_seqs} sequences, context "
+            f"{llm.max_model_len}, {llm.num_threads} CPU thread(s)\n"
+            f"eyas serve: OpenAI API at {url}/v1 (completions, chat/completions, models), {url}/health, {url}/metrics"
+            f"{auth}; Ctrl-C stops")

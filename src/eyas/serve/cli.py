@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from eyas.engine.llm import DEFAULT_MODEL
+from eyas.threads import THREADS_HELP
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -33,6 +34,8 @@ def add_cli(subparsers) -> None:
                    "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small models)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request "
+                   "(client, method, route, status, tokens, seconds) on stderr")
     add_speculative_args(p)
     p.set_defaults(func=_serve)

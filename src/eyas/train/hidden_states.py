@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.data import Example
 
 if TYPE_CHECKING:
@@ -345,10 +346,6 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
     from eyas.engine.llm import load_tokenizer
     from eyas.train.data import load_dataset
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    elif args.device == "cpu":
-        torch.set_num_threads(1)  # small targets run several times faster on one CPU thread (thread sync dominates)
     config = DeepseekV3Config.from_json(args.model)
     L = config.num_hidden_layers
     if args.aux_layer_ids:
@@ -365,6 +362,7 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
         max_length = config.max_position_embeddings
     examples = load_dataset(args.data, tokenizer, max_length)
     target = load_model(args.model, dtype=args.target_dtype, device=args.device)
+    configure_threads(target, args.threads)
     manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids, examples_per_shard=args.examples_per_shard,
                                   dtype=DTYPES[args.dtype], batch_size=args.batch_size, target_path=args.model)
     given = (f" (given as {args.aux_layer_convention} ids {args.aux_layer_ids})"
@@ -402,6 +400,6 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--target-dtype", default="auto", help="dtype the target runs in: auto (float32 on CPU, "
                    "bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on CPU, fastest for small targets)")
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=cmd_dump_hidden_states)
     return p

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from eyas.config import SamplingParams
+from eyas.threads import THREADS_HELP
 from eyas.train.data import iter_records, normalize_record
 
 
@@ -28,9 +30,10 @@ def normalise(record: dict, where: str) -> list[dict]:
     return messages
 
 
-def regenerate(llm, conversations: list[list[dict]], params: SamplingParams,
-               first_index: int = 0) -> list[list[dict]]:
-    """The conversations with every assistant turn replaced by the target's answer, batched turn by turn.
+def regenerate(llm, conversations: list[list[dict]], params: SamplingParams, first_index: int = 0,
+               on_answer: Callable[[], None] | None = None) -> list[list[dict]]:
+    """The conversations with every assistant turn replaced by the target's answer, batched turn by turn;
+    `on_answer()` is called as each answer is done.
 
     With sampling and a seed, conversation i's turn j is seeded from (seed, first_index + i, j): the output does
     not depend on chunking or batching."""
@@ -50,7 +53,9 @@ def regenerate(llm, conversations: list[list[dict]], params: SamplingParams,
             return out
         per_request = [params if params.seed is None or params.greedy else
                        replace(params, seed=hash((params.seed, first_index + i, turn)) % 2**63) for i in waiting]
-        for i, answer in zip(waiting, llm.generate([list(out[i]) for i in waiting], per_request)):
+        answers = llm.generate([list(out[i]) for i in waiting], per_request,
+                               on_finish=None if on_answer is None else lambda _: on_answer())
+        for i, answer in zip(waiting, answers):
             out[i].append({"role": "assistant", "content": answer.text})
             position[i] += 1
         turn += 1
@@ -60,7 +65,7 @@ def add_cli(subparsers) -> None:
     from eyas.engine.llm import DEFAULT_MODEL
 
     p = subparsers.add_parser("regenerate", help="rewrite assistant turns with the target's own answers",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("data", type=Path, help="JSONL conversations (OpenAI messages or ShareGPT conversations)")
     p.add_argument("out", type=Path, help="output JSONL (messages form); appended to, so reruns resume")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
@@ -73,15 +78,13 @@ def add_cli(subparsers) -> None:
                    help="KV cache budget (default: 0.25 GiB on CPU); too small for max-num-seqs long conversations "
                    "means preemption and recomputation")
     p.add_argument("--limit", type=int, help="only the first N conversations")
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=_cmd_regenerate)
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    from eyas.cli import set_threads
     from eyas.engine.llm import LLM
 
-    set_threads(args.threads, "cpu")
     conversations = [normalise(record, f"{args.data}:{lineno}") for lineno, record in iter_records(args.data)]
     conversations = conversations[:args.limit] if args.limit else conversations
     done = 0
@@ -94,16 +97,21 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     if done > len(conversations):
         raise ValueError(f"{args.out} has {done} lines but {args.data} only {len(conversations)} conversations; "
                          "is it the output of another file?")
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory,
+              threads=args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv")
+    # the bar counts answers, each as it is done; conversations are saved a chunk at a time
+    def answers(convs: list[list[dict]]) -> int:
+        return sum(m["role"] == "assistant" for conv in convs for m in conv)
+
+    bar = tqdm(total=answers(conversations), initial=answers(conversations[:done]), desc="regenerate",
+               unit="answer")
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
     for start in range(done, len(conversations), args.chunk_size):
         chunk = conversations[start:start + args.chunk_size]
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
-        rewritten = regenerate(llm, chunk, params, first_index=start)
+        rewritten = regenerate(llm, chunk, params, first_index=start, on_answer=lambda: bar.update(1))
         with open(args.out, "a") as f:  # whole chunks, appended once done
             f.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rewritten))
-        bar.update(len(chunk))
     bar.close()
     print(f"{args.out}: {len(conversations)} conversations ({len(conversations) - done} regenerated now)")
     return 0

@@ -17,6 +17,9 @@ import argparse
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -30,6 +33,7 @@ from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_stat
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import Eagle3Config, Eagle3Draft, target_ids_of
+from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.ttt import TTTOutput, read_positions, ttt_loss
 
 
@@ -48,17 +52,25 @@ class TrainConfig:
     freeze_lm_head: bool = False  # keep the target's lm_head rows as they are (fewer trained weights, faster)
     ttt_steps: int = 3
     loss_decay: float = 0.9
-    lr: float = 1e-4
+    # 3e-3 was the best of 1e-3 / 3e-3 / 6e-3 for both eyas and Model Optimizer on the bundled target (600 steps of
+    # 4 x 128, benchmarks/modelopt_compare.py); EAGLE's published recipes for 8B+ targets use 5e-5..1e-4
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
-    max_steps: int = 1000
+    max_steps: int = 600
     batch_size: int = 8  # global, over all ranks
     max_length: int = 1024
     grad_clip: float = 0.5
     weight_decay: float = 0.0
-    save_every: int = 100
+    save_every: int = 100  # steps; a checkpoint is also written every save_minutes, at the end and on Ctrl-C
+    save_minutes: float = 5.0
     log_every: int = 10
+    eval_every: int = 0  # steps between acceptance measurements through the engine (0: none)
+    eval_prompts: str | None = None  # JSONL prompts for them (default: the bundled held-out prompts)
+    eval_num_prompts: int = 8
+    eval_max_new_tokens: int = 64
     seed: int = 0
+    threads: int | None = None  # torch CPU threads (None: the rule in eyas.threads)
     fsdp: bool = False  # shard the draft's trained weights, grads and optimizer state across torchrun ranks
     device: str = "cpu"  # "cuda": each torchrun rank uses cuda:LOCAL_RANK
     # the frozen target's dtype (auto: float32 on CPU, bfloat16 on accelerators)
@@ -78,6 +90,9 @@ class TrainConfig:
             raise ValueError("--batch-size and --max-steps must be positive")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ValueError(f"--mixed-precision is {self.mixed_precision!r}; expected auto, no or bf16")
+        if self.save_every < 1 or self.save_minutes <= 0 or self.eval_every < 0 or self.eval_num_prompts < 1:
+            raise ValueError("--save-every, --save-minutes and --eval-num-prompts must be positive and "
+                             "--eval-every at least 0")
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The context the draft's loss runs in: bfloat16 matmuls (float32 weights) or plain float32."""
@@ -198,8 +213,11 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     rank, world = setup_distributed(cfg.device)
     device = train_device(cfg.device)
     out = Path(cfg.out)
+    if cfg.eval_every and cfg.fsdp and world > 1:
+        raise ValueError("--eval-every needs the whole draft on one rank; it does not run with --fsdp")
     target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
     target.requires_grad_(False)
+    configure_threads(target, cfg.threads)
     L = target.config.num_hidden_layers
 
     if cfg.hidden_states:
@@ -246,14 +264,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     state_path = out / "checkpoint" / "state.pt"
     if resume and state_path.is_file():
         state = torch.load(state_path, weights_only=True, map_location=device)
-        current = _comparable(cfg)
-        # a setting added after the checkpoint was made is taken at its default (the behaviour it had then)
-        defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
-        saved = {**{k: defaults[k] for k in current if k in defaults}, **state["config"]}
-        if saved != current:
-            changed = sorted(k for k in current if saved.get(k) != current[k])
-            raise ValueError(f"{state_path} was made with other settings ({', '.join(changed)}); resume with the "
-                             f"same ones (saved: {state['config']})")
+        check_resumable(cfg, state["config"], state_path)
         if fsdp:
             load_sharded_state(draft, optimizer, state, names)
         else:
@@ -261,9 +272,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
             optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     elif resume and rank == 0:
-        print(f"no checkpoint at {state_path}; starting from step 0")
+        print(f"no checkpoint at {state_path}; starting from step 0", file=sys.stderr)
 
     def lr_at(s: int) -> float:
+        # a run extended on resuming (a larger --max-steps) stretches the cosine from where it is
         if s < cfg.warmup_steps:
             return cfg.lr * (s + 1) / cfg.warmup_steps
         progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
@@ -273,63 +285,88 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if log_path.exists():  # drop records past the checkpoint: the steps after it are about to be rerun
-            kept = [line for line in log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-            log_path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_log(log_path) if r["step"] <= step]
+            log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_recipe(out / RECIPE_NAME, cfg)
+        print(f"training a {cfg.draft_arch} draft for {cfg.target}: steps {step} -> {cfg.max_steps}, "
+              f"{len(examples)} examples, batches of {cfg.batch_size} x up to {cfg.max_length} tokens, lr {cfg.lr}; "
+              f"writing {out} (Ctrl-C saves and stops)", file=sys.stderr)
+    if step >= cfg.max_steps:
+        if rank == 0:
+            print(f"{state_path} is at step {step}: nothing to train below --max-steps {cfg.max_steps} (raise it "
+                  "to extend the run)", file=sys.stderr)
+        return {"step": step}
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
     record: dict = {}
     tokens, start = 0, time.perf_counter()
-    while step < cfg.max_steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
-        batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
-        aux, target_logits = target_features(target, batch, aux_ids)
-        with cfg.autocast(device):
-            result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
-                             cfg.loss_decay)
-        counts = torch.stack(result.counts).detach()
-        if world > 1:
-            dist.all_reduce(counts)
-        loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        # each rank's loss is its share of the global loss: summed gradients are the global gradient (under FSDP
-        # the backward pass has already reduce-scattered them, summed, into each rank's shard)
-        if world > 1 and not fsdp:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
-        optimizer.step()
-        step += 1
-        tokens += int(batch["loss_mask"].numel())
-        stats = torch.stack([torch.stack(result.loss_sums).detach(), torch.stack(result.correct)])
-        if world > 1:
-            dist.all_reduce(stats)
-        per_step_loss = (stats[0] / counts.clamp(min=1)).tolist()
-        global_loss = sum(cfg.loss_decay ** k * x for k, x in enumerate(per_step_loss))
-        record = {"step": step, "loss": round(global_loss, 5), "lr": lr_at(step - 1),
-                  "grad_norm": round(grad_norm, 4),
-                  "loss_per_step": [round(x, 5) for x in per_step_loss],
-                  "acc_per_step": [round(x, 5) for x in (stats[1] / counts.clamp(min=1)).tolist()],
-                  "tokens_per_s": round(tokens * world / (time.perf_counter() - start), 1)}
-        bar.update(1)
-        if rank == 0:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if step % cfg.log_every == 0:
-                bar.set_postfix(loss=record["loss"], acc0=record["acc_per_step"][0])
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
-            if fsdp:  # gathering the shards takes every rank
-                save_sharded_checkpoint(out, draft, optimizer, step, cfg, names, rank)
-            elif rank == 0:
-                save_checkpoint(out, draft, optimizer.state_dict(), step, cfg)
-        if on_step is not None:
-            on_step(step, record)
+    last_save = time.monotonic()
+    with StopOnInterrupt() as interrupt:
+        while step < cfg.max_steps:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
+            batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
+            aux, target_logits = target_features(target, batch, aux_ids)
+            with cfg.autocast(device):
+                result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
+                                 cfg.loss_decay)
+            counts = torch.stack(result.counts).detach()
+            if world > 1:
+                dist.all_reduce(counts)
+            loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            # each rank's loss is its share of the global loss: summed gradients are the global gradient (under
+            # FSDP the backward pass has already reduce-scattered them, summed, into each rank's shard)
+            if world > 1 and not fsdp:
+                for p in params:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+            optimizer.step()
+            step += 1
+            tokens += int(batch["loss_mask"].numel())
+            stats = torch.stack([torch.stack(result.loss_sums).detach(), torch.stack(result.correct)])
+            if world > 1:
+                dist.all_reduce(stats)
+            per_step_loss = (stats[0] / counts.clamp(min=1)).tolist()
+            global_loss = sum(cfg.loss_decay ** k * x for k, x in enumerate(per_step_loss))
+            record = {"step": step, "loss": round(global_loss, 5), "lr": lr_at(step - 1),
+                      "grad_norm": round(grad_norm, 4),
+                      "loss_per_step": [round(x, 5) for x in per_step_loss],
+                      "acc_per_step": [round(x, 5) for x in (stats[1] / counts.clamp(min=1)).tolist()],
+                      "tokens_per_s": round(tokens * world / (time.perf_counter() - start), 1)}
+            bar.update(1)
+            if cfg.eval_every and rank == 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                record["eval_acceptance_length"] = measure_acceptance(cfg, draft, device)
+            if rank == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if step % cfg.log_every == 0 or "eval_acceptance_length" in record:
+                    postfix = {"loss": record["loss"], "acc0": record["acc_per_step"][0]}
+                    if "eval_acceptance_length" in record:
+                        postfix["AL"] = record["eval_acceptance_length"]
+                    bar.set_postfix(postfix)
+            # every rank must take the same decision: a sharded save gathers from all of them
+            stop, overdue = _agreed(world, interrupt.requested, time.monotonic() - last_save >= cfg.save_minutes * 60)
+            if step % cfg.save_every == 0 or step == cfg.max_steps or stop or overdue:
+                if fsdp:  # gathering the shards takes every rank
+                    save_sharded_checkpoint(out, draft, optimizer, step, cfg, names, rank)
+                elif rank == 0:
+                    save_checkpoint(out, draft, optimizer.state_dict(), step, cfg)
+                last_save = time.monotonic()
+            if on_step is not None:
+                on_step(step, record)
+            if stop:
+                record["interrupted"] = True
+                break
     bar.close()
     if rank == 0:
-        plot_log(log_path, out / "train_curves.png")
+        plot_log(log_path, out / "train_curves.png", title=f"{cfg.draft_arch} draft for {Path(cfg.target).name}")
+        elapsed = time.perf_counter() - start
+        how = "interrupted; continue with --resume" if record.get("interrupted") else "done"
+        print(f"step {step} of {cfg.max_steps} ({how}) after {elapsed / 60:.1f} min: draft in {out / 'draft'}, "
+              f"checkpoint in {state_path}", file=sys.stderr)
     return record
 
 
@@ -344,12 +381,108 @@ def _examples_for_vocab(examples):
             for i in range(len(examples))]
 
 
+# settings a resumed run may change: where and how often it saves, logs and evaluates, how it runs, and how long
+_NOT_COMPARED = ("save_every", "save_minutes", "log_every", "out", "fsdp", "device", "threads", "max_steps",
+                 "eval_every", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens")
+
+
 def _comparable(cfg: TrainConfig) -> dict:
-    """The settings a resumed run must share with the run it continues (save cadence and logging may change)."""
+    """The settings a resumed run must share with the run it continues."""
     d = asdict(cfg)
-    for key in ("save_every", "log_every", "out", "fsdp", "device"):
+    for key in _NOT_COMPARED:
         d.pop(key)
     return d
+
+
+def check_resumable(cfg: TrainConfig, saved: dict, state_path: Path) -> None:
+    """Refuse to resume a checkpoint made with other settings, naming them. A setting added after the checkpoint
+    was made counts as its default (the behaviour it had then); one the checkpoint records but no longer compared
+    (such as max_steps, which a resumed run may raise) is ignored."""
+    current = _comparable(cfg)
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    changed = sorted(k for k in current if saved.get(k, defaults.get(k)) != current[k])
+    if changed:
+        was = ", ".join(f"{k}={saved.get(k, defaults.get(k))!r} (now {current[k]!r})" for k in changed)
+        raise ValueError(f"{state_path} was made with other settings ({', '.join(changed)}): {was}; resume with "
+                         "the same ones, or train into another --out")
+
+
+class StopOnInterrupt:
+    """Ctrl-C (SIGINT) during training: the first one asks the loop to finish the step in progress, save a
+    checkpoint and stop; a second one interrupts at once, without saving."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to stop without saving)",
+              file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _agreed(world: int, *flags: bool) -> list[bool]:
+    """The flags OR-ed over the ranks, so every rank saves and stops at the same step."""
+    if world == 1:
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
+
+
+def measure_acceptance(cfg: TrainConfig, draft: Eagle3Draft, device: torch.device) -> float:
+    """The draft's acceptance length as it is now, through the engine: greedy, K=3, on `eval_num_prompts` of the
+    eval prompts spread over the file (its categories come in blocks)."""
+    import tempfile
+
+    from eyas.config import SamplingParams, SpeculativeConfig
+    from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, LLM
+    from eyas.eval.acceptance import evaluate, read_prompts
+    from eyas.export import save_draft
+
+    records = read_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS))
+    records = records[::max(1, len(records) // cfg.eval_num_prompts)][:cfg.eval_num_prompts]
+    with tempfile.TemporaryDirectory(prefix="eyas-eval-draft-") as tmp:
+        save_draft(draft, Path(tmp), fmt="eyas")
+        llm = LLM(cfg.target, device=str(device), max_num_seqs=len(records), threads=cfg.threads,
+                  speculative_config=SpeculativeConfig(method="eagle", draft_model=tmp))
+        report = evaluate(llm, records, SamplingParams(temperature=0, max_tokens=cfg.eval_max_new_tokens))
+    return report["overall"]["acceptance_length"]
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a train_log.jsonl; a last line cut short by a kill is dropped."""
+    records = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+RECIPE_NAME = "train_config.yaml"
+
+
+def write_recipe(path: Path, cfg: TrainConfig) -> None:
+    """Every setting of the run, as a file `eyas train --config` reads back."""
+    import yaml
+
+    header = "# eyas train settings of this run; rerun with: eyas train --config <this file> [--resume]\n"
+    path.write_text(header + yaml.safe_dump(asdict(cfg), sort_keys=False))
 
 
 def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer_state: dict, step: int, cfg: TrainConfig) -> None:
@@ -441,23 +574,46 @@ def _renumber(optimizer_state: dict, key) -> dict:
             "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optimizer_state["param_groups"]]}
 
 
-def plot_log(log_path: Path, png: Path) -> None:
+def smoothed(values: list[float], span: int) -> list[float]:
+    """Exponential moving average with the usual span (alpha = 2 / (span + 1)), started at the first value."""
+    alpha, out = 2 / (span + 1), []
+    for v in values:
+        out.append(v if not out else out[-1] + alpha * (v - out[-1]))
+    return out
+
+
+def plot_log(log_path: Path, png: Path, title: str = "") -> None:
+    """Loss and per-position accuracy (raw, faint, and smoothed) and, when the run measured it, the acceptance
+    length through the engine."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    records = read_log(log_path)
     if not records:
         return
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot(steps, [r["loss"] for r in records])
+    evals = [(r["step"], r["eval_acceptance_length"]) for r in records if "eval_acceptance_length" in r]
+    span = max(1, len(records) // 25)
+    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+    ax_loss, ax_acc = axes[0], axes[1]
+    losses = [r["loss"] for r in records]
+    ax_loss.plot(steps, losses, color="C0", alpha=0.25, linewidth=0.8)
+    ax_loss.plot(steps, smoothed(losses, span), color="C0", label=f"moving average ({span} steps)")
     ax_loss.set(xlabel="step", ylabel="TTT loss (decay-weighted)", title="loss")
+    ax_loss.legend(fontsize=8)
     for k in range(len(records[0]["acc_per_step"])):
-        ax_acc.plot(steps, [r["acc_per_step"][k] for r in records], label=f"TTT step {k}")
+        acc = [r["acc_per_step"][k] for r in records]
+        ax_acc.plot(steps, acc, color=f"C{k}", alpha=0.2, linewidth=0.8)
+        ax_acc.plot(steps, smoothed(acc, span), color=f"C{k}", label=f"TTT step {k}")
     ax_acc.set(xlabel="step", ylabel="top-1 agreement with the target", title="accuracy per TTT position")
-    ax_acc.legend()
+    ax_acc.legend(fontsize=8)
+    if evals:
+        axes[2].plot(*zip(*evals), marker="o", color="C3")
+        axes[2].set(xlabel="step", ylabel="tokens per verify step", title="acceptance length (greedy, K=3)")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -482,71 +638,109 @@ def train_device(device: str) -> torch.device:
 
 
 def add_cli(subparsers) -> None:
-    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.engine.llm import DEFAULT_DATA, DEFAULT_MODEL
 
+    d = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     p = subparsers.add_parser(
         "train", help="train an EAGLE-3 draft head (online or from dumped hidden states)",
         description="Train an EAGLE-3 draft for a target with train-time test. Online: --data JSONL "
         "(conversations in OpenAI messages or ShareGPT form, loss on assistant tokens; or {\"text\": ...}); "
-        "offline: --hidden-states DIR from `eyas dump-hidden-states`. Resumable (--resume); under torchrun "
-        "it trains data parallel. Writes OUT/draft (servable), OUT/checkpoint/state.pt, OUT/train_log.jsonl "
-        "and OUT/train_curves.png.")
+        "offline: --hidden-states DIR from `eyas dump-hidden-states`. With neither, the bundled target trains on "
+        f"the bundled conversations ({DEFAULT_DATA.relative_to(DEFAULT_MODEL.parents[1])}): a first draft in a few "
+        "minutes on a CPU. Resumable (--resume, also with a larger --max-steps); Ctrl-C saves a checkpoint and "
+        "stops; under torchrun it trains data parallel. Writes OUT/draft (servable), OUT/checkpoint/state.pt, "
+        f"OUT/train_log.jsonl, OUT/train_curves.png and OUT/{RECIPE_NAME} (every setting, readable by --config).")
+    p.add_argument("--config", type=Path, metavar="RECIPE.yaml", help="read settings from a YAML file: keys are "
+                   "the options below (lr, max_steps or max-steps, ...); options given on the command line win")
     p.add_argument("--target", default=str(DEFAULT_MODEL), help="target checkpoint directory")
-    p.add_argument("--data", help="training JSONL (online)")
+    p.add_argument("--data", help="training JSONL (online); default with the bundled target: the bundled "
+                   "conversations")
     p.add_argument("--hidden-states", help="dumped hidden states directory (offline)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--draft-arch", choices=["mla", "mha"], default="mla",
+    p.add_argument("--out", default="runs/draft", help="output directory")
+    p.add_argument("--draft-arch", choices=["mla", "mha"], default=d["draft_arch"],
                    help="mla: DeepSeek-style attention draft; mha: Llama-style draft")
-    p.add_argument("--draft-vocab-size", type=int, default=0, help="compress the draft vocabulary to the N most "
-                   "frequent loss tokens (0: the target's vocabulary)")
+    p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"], help="compress the draft "
+                   "vocabulary to the N most frequent loss tokens (0: the target's vocabulary)")
     p.add_argument("--vocab-file", help="d2t/t2d from `eyas calibrate-vocab` (overrides --draft-vocab-size)")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", help="target layers to fuse (default: the standard "
                    "early/middle/late rule (2, L//2, L-3) in hidden_states convention)")
-    p.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"], default="hidden_states",
+    p.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
+                   default=d["aux_layer_convention"],
                    help="how --aux-layer-ids are numbered (layer_output: Model Optimizer's, one lower)")
-    p.add_argument("--intermediate-size", type=int, default=0, help="draft MLP width (0: the target's dense one)")
+    p.add_argument("--intermediate-size", type=int, default=d["intermediate_size"],
+                   help="draft MLP width (0: the target's dense one)")
     p.add_argument("--freeze-lm-head", action="store_true", help="keep the lm_head at the target's rows (as Model "
                    "Optimizer does by default): fewer trained weights, faster steps")
-    p.add_argument("--ttt-steps", type=int, default=3, help="train-time-test steps (draft runs on its outputs)")
-    p.add_argument("--loss-decay", type=float, default=0.9, help="weight of TTT step k is decay^k")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch size (split over torchrun ranks)")
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"],
+                   help="train-time-test steps (draft runs on its outputs)")
+    p.add_argument("--loss-decay", type=float, default=d["loss_decay"], help="weight of TTT step k is decay^k")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW); the best of 1e-3 / 3e-3 / "
+                   "6e-3 on the bundled target; large targets' published recipes use 5e-5..1e-4")
+    p.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
+                   help="the cosine schedule ends at lr x this")
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="linear warm-up steps")
+    p.add_argument("--max-steps", type=int, default=d["max_steps"], help="optimizer steps in all (with --resume: "
+                   "a larger value extends the run)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="global batch size (split over torchrun ranks)")
+    p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per example; longer ones are "
+                   "truncated")
+    p.add_argument("--grad-clip", type=float, default=d["grad_clip"], help="gradient norm clip")
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"], help="AdamW weight decay")
+    p.add_argument("--save-every", type=int, default=d["save_every"], help="steps between checkpoints")
+    p.add_argument("--save-minutes", type=float, default=d["save_minutes"], help="at most this many minutes "
+                   "between checkpoints, whatever --save-every says")
+    p.add_argument("--log-every", type=int, default=d["log_every"], help="steps between progress-bar updates of "
+                   "loss and accuracy (every step is written to OUT/train_log.jsonl)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="measure the draft's acceptance length "
+                   "through the engine every N steps and at the end, logged and plotted (0: never)")
+    p.add_argument("--eval-prompts", help="JSONL prompts for --eval-every (default: the bundled held-out prompts)")
+    p.add_argument("--eval-num-prompts", type=int, default=d["eval_num_prompts"],
+                   help="prompts per --eval-every measurement")
+    p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"],
+                   help="tokens generated per prompt in an --eval-every measurement")
+    p.add_argument("--seed", type=int, default=d["seed"], help="initialisation and batch order")
     p.add_argument("--fsdp", action="store_true", help="under torchrun, shard the draft's trained parameters, "
                    "gradients and optimizer state across the ranks, for drafts too large to replicate (same maths "
                    "as plain data parallel; checkpoints hold whole tensors, so --resume works with or without it)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/state.pt")
-    p.add_argument("--threads", type=int, help="torch CPU threads per process (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun, each rank uses cuda:LOCAL_RANK; "
-                   "nccl then, gloo on CPU)")
-    p.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--device", default=d["device"], help="cpu or cuda (under torchrun, each rank uses "
+                   "cuda:LOCAL_RANK; nccl then, gloo on CPU)")
+    p.add_argument("--target-dtype", default=d["target_dtype"], choices=["auto", "float32", "bfloat16"],
                    help="dtype the frozen target computes hidden states and logits in (auto: float32 on CPU, "
                    "bfloat16 on GPUs). On CPUs with AVX512-BF16 or AMX, bfloat16 runs the target faster")
-    p.add_argument("--mixed-precision", default="auto", choices=["auto", "no", "bf16"],
+    p.add_argument("--mixed-precision", default=d["mixed_precision"], choices=["auto", "no", "bf16"],
                    help="bf16: the draft's forward and backward run under bfloat16 autocast while its weights "
                    "and optimizer state stay float32; no: all float32 (auto: bf16 on GPUs, no on CPU). On CPUs "
                    "with AVX512-BF16 or AMX, bf16 matmuls run about twice as fast")
     p.set_defaults(func=_cmd_train)
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the command line describes: every field is the option of the same name. With neither
+    --data nor --hidden-states, the bundled target trains on the bundled conversations."""
+    from eyas.engine.llm import DEFAULT_DATA, DEFAULT_MODEL
+
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    if values["data"] is None and values["hidden_states"] is None:
+        if Path(values["target"]).resolve() != DEFAULT_MODEL.resolve():
+            raise ValueError("give --data (conversations JSONL) or --hidden-states (a dump-hidden-states "
+                             "directory): the bundled conversations are for the bundled target only")
+        values["data"] = str(DEFAULT_DATA)
+        print(f"no --data: training on the bundled conversations {DEFAULT_DATA}", file=sys.stderr)
+    for key in ("target", "out", "data", "hidden_states", "vocab_file", "eval_prompts"):
+        if values[key] is not None:
+            values[key] = str(values[key])
+    return TrainConfig(**values)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = TrainConfig(target=args.target, out=args.out, data=args.data, hidden_states=args.hidden_states,
-                      draft_arch=args.draft_arch, draft_vocab_size=args.draft_vocab_size, vocab_file=args.vocab_file,
-                      aux_layer_ids=args.aux_layer_ids, aux_layer_convention=args.aux_layer_convention,
-                      intermediate_size=args.intermediate_size, freeze_lm_head=args.freeze_lm_head,
-                      ttt_steps=args.ttt_steps,
-                      loss_decay=args.loss_decay, lr=args.lr, warmup_steps=args.warmup_steps,
-                      max_steps=args.max_steps, batch_size=args.batch_size, max_length=args.max_length,
-                      grad_clip=args.grad_clip, save_every=args.save_every, seed=args.seed, fsdp=args.fsdp,
-                      device=args.device, target_dtype=args.target_dtype,
-                      mixed_precision=args.mixed_precision)
+    cfg = config_from_args(args)
+    state = Path(cfg.out) / "checkpoint" / "state.pt"
+    if state.is_file() and not args.resume:
+        raise ValueError(f"{cfg.out} already holds a training run ({state}); add --resume to continue it (a larger "
+                         "--max-steps extends it), or train into another --out")
     record = train(cfg, resume=args.resume)
     print(json.dumps(record))
-    return 0
+    return 130 if record.get("interrupted") else 0

@@ -45,6 +45,11 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
     # data with fewer distinct ids than draft_vocab_size is padded with the lowest unused ids
     order = torch.sort(counts, descending=True, stable=True).indices
     kept = order[:draft_vocab_size].sort().values  # [draft_vocab], ascending target ids
+    unused = int((counts[kept] == 0).sum())
+    if unused > draft_vocab_size // 2:
+        log.warning("%d of the %d draft ids (%.0f%%) never occur among the data's loss tokens: they are padding, "
+                    "and the draft head spends their rows on nothing; use a --draft-vocab-size near %d or more data",
+                    unused, draft_vocab_size, 100 * unused / draft_vocab_size, draft_vocab_size - unused)
     d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[kept] = True

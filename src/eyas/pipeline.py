@@ -1,0 +1,224 @@
+"""`eyas pipeline RECIPE.yaml`: a draft from a conversations file in one command, each stage resumable.
+
+Stages, in order, each the eyas command of its name run with the settings of its section (omit a section to skip
+the stage; train is always run):
+
+  regenerate          the conversations' assistant turns rewritten by the target    -> WORK/regenerated.jsonl
+  (training data)     that, or `data` as it is, plus the `extra_data` files         -> WORK/train_data.jsonl
+  calibrate_vocab     a compressed draft vocabulary from the training data          -> WORK/vocab.safetensors
+  dump_hidden_states  the target's aux hidden states (else the draft trains online) -> WORK/hidden_states/
+  train               the draft (always with --resume)                              -> WORK/train/draft
+  eval                its acceptance length on held-out prompts                      -> WORK/eval.json (+ .png)
+  export              the draft in other engines' layouts (`format` or `formats`)   -> WORK/export-FORMAT/
+
+A recipe:
+
+  target: examples/tiny-deepseek-v3        # default: the bundled tiny target
+  work_dir: runs/tiny-mla                  # where every stage writes
+  data: conversations.jsonl                # OpenAI messages or ShareGPT records
+  extra_data: [text.jsonl]                 # optional: records added to the training data as they are
+  regenerate: {max_new_tokens: 192}
+  calibrate_vocab: {draft_vocab_size: 2048}
+  dump_hidden_states: {max_length: 512}
+  train: {draft_arch: mla, max_steps: 600}
+  eval: {prompts: examples/prompts/eval.jsonl, max_new_tokens: 128}
+  export: {formats: [vllm, sglang]}
+
+A section's keys are its command's options (dashes or underscores); the inputs and outputs above are the
+pipeline's own. A finished stage is recorded in WORK/stages.json with the command it ran, and skipped when the
+recipe asks for the same command again; an interrupted stage resumes (regenerate, dump-hidden-states and train
+continue where they stopped). A finished stage asked to run with other settings is an error naming them, except
+train, whose own --resume check decides (a larger max_steps extends the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+STAGES = ("regenerate", "calibrate_vocab", "dump_hidden_states", "train", "eval", "export")
+TOP_LEVEL = ("target", "work_dir", "data", "extra_data", *STAGES)
+# options the pipeline sets itself, per stage: its inputs and outputs
+RESERVED = {
+    "regenerate": {"data", "out", "model"},
+    "calibrate_vocab": {"data", "output", "model"},
+    "dump_hidden_states": {"data", "out_dir", "model"},
+    "train": {"target", "data", "hidden_states", "vocab_file", "out", "resume", "config"},
+    "eval": {"model", "speculative_method", "draft_model", "out"},
+    "export": {"draft", "out", "target"},
+}
+
+
+class PipelineError(ValueError):
+    pass
+
+
+def read_recipe(path: Path) -> dict:
+    """The recipe as a mapping, its top-level keys and section kinds checked."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise PipelineError(f"{path}: cannot read the recipe ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise PipelineError(f"{path}: not valid YAML ({e})") from e
+    if not isinstance(recipe, dict):
+        raise PipelineError(f"{path}: expected a mapping (target, work_dir, data, stage sections)")
+    unknown = sorted(set(recipe) - set(TOP_LEVEL))
+    if unknown:
+        raise PipelineError(f"{path}: unknown key(s) {unknown}; expected {', '.join(TOP_LEVEL)}")
+    for key in ("work_dir", "data"):
+        if not isinstance(recipe.get(key), str):
+            raise PipelineError(f"{path}: {key} must be set to a path")
+    if not isinstance(recipe.get("extra_data", []), list):
+        raise PipelineError(f"{path}: extra_data must be a list of JSONL files")
+    for stage in STAGES:
+        if recipe.get(stage) is not None and not isinstance(recipe[stage], dict):
+            raise PipelineError(f"{path}: the {stage} section must be a mapping of its options")
+    return recipe
+
+
+def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]]]:
+    """(stage, eyas argv) for every stage the recipe runs, in order; the training-data stage is ("data", [])."""
+    from eyas.cli import build_parser, settings_from_mapping
+    from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    target = str(recipe.get("target") or DEFAULT_MODEL)
+    work = Path(recipe["work_dir"])
+    train_data = work / "train_data.jsonl"
+
+    def flags(stage: str, section: dict) -> list[str]:
+        command = stage.replace("_", "-")
+        reserved = sorted(RESERVED[stage] & {str(k).replace("-", "_") for k in section})
+        if reserved:
+            raise PipelineError(f"{recipe_path}: {stage} sets {reserved}, which the pipeline sets itself")
+        settings = settings_from_mapping(section, commands[command], command, f"{recipe_path} ({stage})")
+        argv = []
+        for dest, value in settings.items():
+            option = "--" + dest.replace("_", "-")
+            if value is None or value is False:
+                continue
+            if value is True:
+                argv.append(option)
+            elif isinstance(value, list):
+                argv += [option, *map(str, value)]
+            else:
+                argv += [option, str(value)]
+        return argv
+
+    out: list[tuple[str, list[str]]] = []
+    if recipe.get("regenerate") is not None:
+        out.append(("regenerate", ["regenerate", recipe["data"], str(work / "regenerated.jsonl"), "--model", target,
+                                   *flags("regenerate", recipe["regenerate"])]))
+    out.append(("data", []))
+    if recipe.get("calibrate_vocab") is not None:
+        out.append(("calibrate_vocab", ["calibrate-vocab", str(train_data), "-o", str(work / "vocab.safetensors"),
+                                        "--model", target, *flags("calibrate_vocab", recipe["calibrate_vocab"])]))
+    if recipe.get("dump_hidden_states") is not None:
+        out.append(("dump_hidden_states", ["dump-hidden-states", str(train_data), str(work / "hidden_states"),
+                                           "--model", target,
+                                           *flags("dump_hidden_states", recipe["dump_hidden_states"])]))
+    source = (["--hidden-states", str(work / "hidden_states")] if recipe.get("dump_hidden_states") is not None
+              else ["--data", str(train_data)])
+    vocab = ["--vocab-file", str(work / "vocab.safetensors")] if recipe.get("calibrate_vocab") is not None else []
+    out.append(("train", ["train", "--target", target, *source, *vocab, "--out", str(work / "train"), "--resume",
+                          *flags("train", recipe.get("train") or {})]))
+    draft = str(work / "train" / "draft")
+    if recipe.get("eval") is not None:
+        section = dict(recipe["eval"])
+        prompts = section.pop("prompts", None)
+        if prompts is None:
+            if Path(target).resolve() != DEFAULT_MODEL.resolve():
+                raise PipelineError(f"{recipe_path}: eval needs `prompts` (a JSONL prompts file) for this target")
+            prompts = str(DEFAULT_EVAL_PROMPTS)
+        out.append(("eval", ["eval", str(prompts), "--model", target, "--speculative-method", "eagle",
+                             "--draft-model", draft, "--out", str(work / "eval.json"), *flags("eval", section)]))
+    if recipe.get("export") is not None:
+        section = dict(recipe["export"])
+        formats = section.pop("formats", None) or [section.pop("format", None)]
+        section.pop("format", None)
+        if formats == [None] or not isinstance(formats, list):
+            raise PipelineError(f"{recipe_path}: export needs `format` or a `formats` list")
+        for fmt in formats:
+            out.append((f"export {fmt}", ["export", draft, str(work / f"export-{fmt}"), "--format", str(fmt),
+                                          "--target", target, *flags("export", section)]))
+    return out
+
+
+def write_training_data(recipe: dict, work: Path) -> Path:
+    """WORK/train_data.jsonl: the regenerated conversations (or `data`) followed by the extra files, written whole
+    each time (a copy, cheap next to any other stage)."""
+    sources = [work / "regenerated.jsonl" if recipe.get("regenerate") is not None else Path(recipe["data"])]
+    sources += [Path(p) for p in recipe.get("extra_data", [])]
+    out = work / "train_data.jsonl"
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for src in sources:
+            if not src.is_file():
+                raise PipelineError(f"{src}: no such training data file")
+            data = src.read_bytes()
+            f.write(data if data.endswith(b"\n") or not data else data + b"\n")
+    os.replace(tmp, out)
+    return out
+
+
+def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
+    from eyas.cli import main
+
+    recipe = read_recipe(recipe_path)
+    work = Path(recipe["work_dir"])
+    stages = stage_commands(recipe, recipe_path)
+    record_path = work / "stages.json"
+    done: dict = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if dry_run:
+        for stage, argv in stages:
+            print(f"{stage}: " + ("(concatenate the training data)" if not argv else "eyas " + " ".join(argv)))
+        return 0
+    work.mkdir(parents=True, exist_ok=True)
+    changed = False  # once a stage reruns, the stages after it see new inputs and rerun too
+    for i, (stage, argv) in enumerate(stages, 1):
+        label = f"[{i}/{len(stages)}] {stage}"
+        if stage == "data":
+            write_training_data(recipe, work)
+            continue
+        previous = done.get(stage)
+        if previous is not None and previous == argv and not changed:
+            print(f"{label}: done earlier, skipped", file=sys.stderr)
+            continue
+        if previous is not None and previous != argv and stage != "train":
+            raise PipelineError(f"stage {stage} finished earlier with other settings:\n  was: eyas "
+                                f"{' '.join(previous)}\n  now: eyas {' '.join(argv)}\nremove its output and its "
+                                f"entry in {record_path} to run it again")
+        print(f"{label}: eyas {' '.join(argv)}", file=sys.stderr)
+        if stage.startswith("export"):  # an export writes a fresh directory
+            shutil.rmtree(argv[2], ignore_errors=True)
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse refusing an option
+            code = e.code if isinstance(e.code, int) else 2
+        if code != 0:
+            print(f"eyas pipeline: stage {stage} stopped (exit {code}); rerun `eyas pipeline {recipe_path}` to "
+                  "resume", file=sys.stderr)
+            return code
+        done[stage] = argv
+        changed = changed or previous != argv
+        tmp = record_path.with_name(record_path.name + ".tmp")
+        tmp.write_text(json.dumps(done, indent=2) + "\n")
+        os.replace(tmp, record_path)
+    print(f"pipeline done: draft in {work / 'train' / 'draft'}", file=sys.stderr)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("pipeline", help="regenerate -> calibrate-vocab -> dump -> train -> eval -> export "
+                              "from one recipe file, each stage resumable", description=__doc__)
+    p.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="the recipe (see above)")
+    p.add_argument("--dry-run", action="store_true", help="print each stage's command and run nothing")
+    p.set_defaults(func=lambda args: run_pipeline(args.recipe, args.dry_run))

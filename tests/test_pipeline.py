@@ -1,0 +1,95 @@
+"""`eyas pipeline`: one recipe runs regenerate -> calibrate-vocab -> dump -> train -> eval -> export; killed in a
+stage, a rerun skips the stages already done and resumes the one that was cut."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from tiny import make_hf_checkpoint
+
+from eyas.engine.llm import DEFAULT_MODEL
+from eyas.pipeline import PipelineError, read_recipe, stage_commands
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    target = root / "target"
+    make_hf_checkpoint(target, vocab_size=8192)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, target / name)
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
+                                                     {"role": "assistant", "content": "    return a + b\n"}]}) + "\n"
+                            for i in range(16)))
+    extra = root / "text.jsonl"
+    extra.write_text("".join(json.dumps({"text": f"for i in range({i}):\n    print(i)\n"}) + "\n" for i in range(8)))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "code", "prompt": "def f(x):\n"}) + "\n")
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "target": str(target), "work_dir": str(root / "work"), "data": str(data), "extra_data": [str(extra)],
+        "regenerate": {"max_new_tokens": 6, "threads": 1},
+        "calibrate_vocab": {"draft_vocab_size": 512, "max_length": 64},
+        "dump_hidden_states": {"max_length": 64, "aux_layer_ids": [1, 2, 3]},
+        "train": {"max_steps": 40, "batch_size": 4, "max_length": 64, "save_every": 2, "warmup_steps": 2},
+        "eval": {"prompts": str(prompts), "max_new_tokens": 6, "speed_prompts": 0},
+        "export": {"formats": ["vllm", "sglang"]},
+    }))
+    return path
+
+
+def run(recipe_path):
+    return subprocess.Popen([sys.executable, "-m", "eyas.cli", "pipeline", str(recipe_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_killed_in_training_then_rerun_resumes(recipe):
+    work = recipe.parent / "work"
+    log = work / "train" / "train_log.jsonl"
+    proc = run(recipe)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert 5 <= len(log.read_text().splitlines()) < 40, "the pipeline should have been killed in training"
+    assert set(json.loads((work / "stages.json").read_text())) == {"regenerate", "calibrate_vocab",
+                                                                   "dump_hidden_states"}
+    proc = run(recipe)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    for stage in ("regenerate", "calibrate_vocab", "dump_hidden_states"):
+        assert f"{stage}: done earlier, skipped" in stderr
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(1, 41))  # each step once: the records past the checkpoint were rerun
+    assert len((work / "regenerated.jsonl").read_text().splitlines()) == 16
+    assert len((work / "train_data.jsonl").read_text().splitlines()) == 24
+    report = json.loads((work / "eval.json").read_text())
+    assert report["settings"]["draft_model"] == str(work / "train" / "draft")
+    for fmt in ("vllm", "sglang"):
+        assert (work / f"export-{fmt}" / "model.safetensors").is_file()
+    # all done: a third run skips every stage
+    proc = run(recipe)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and stderr.count("done earlier, skipped") == 7, stderr[-3000:]
+
+
+def test_bad_recipes_are_refused_naming_the_key(tmp_path):
+    path = tmp_path / "r.yaml"
+    for recipe, message in [({"work_dir": "w", "data": "d", "trian": {}}, "unknown key"),
+                            ({"work_dir": "w"}, "data must be set"),
+                            ({"work_dir": "w", "data": "d", "train": {"lr": "fast"}}, "lr"),
+                            ({"work_dir": "w", "data": "d", "train": {"out": "x"}}, "pipeline sets itself"),
+                            ({"work_dir": "w", "data": "d", "regenerate": {"max_new_tokenz": 3}},
+                             "unknown setting 'max_new_tokenz'")]:
+        path.write_text(yaml.safe_dump(recipe))
+        with pytest.raises((PipelineError, ValueError), match=message):
+            stage_commands(read_recipe(path), path)
