@@ -52,7 +52,7 @@ def run(recipe_path):
 
 def test_killed_in_training_then_rerun_resumes(recipe):
     work = recipe.parent / "work"
-    log = work / "train" / "train_log.jsonl"
+    log = work / "draft" / "train_log.jsonl"
     proc = run(recipe)
     deadline = time.time() + 240
     while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 5):
@@ -72,10 +72,10 @@ def test_killed_in_training_then_rerun_resumes(recipe):
     assert steps == list(range(1, 41))  # each step once: the records past the checkpoint were rerun
     assert len((work / "regenerated.jsonl").read_text().splitlines()) == 16
     assert len((work / "train_data.jsonl").read_text().splitlines()) == 24
-    report = json.loads((work / "eval.json").read_text())
-    assert report["settings"]["draft_model"] == str(work / "train" / "draft")
+    report = json.loads((work / "draft" / "eval.json").read_text())
+    assert report["settings"]["draft_model"] == str(work / "draft" / "draft")
     for fmt in ("vllm", "sglang"):
-        assert (work / f"export-{fmt}" / "model.safetensors").is_file()
+        assert (work / "draft" / f"export-{fmt}" / "model.safetensors").is_file()
     # all done: a third run skips every stage
     proc = run(recipe)
     _, stderr = proc.communicate(timeout=300)

@@ -435,3 +435,21 @@ def test_cli_serve_arguments():
                                       "--served-model-name", "m", "--max-num-seqs", "4"])
     assert (args.port, args.api_key, args.speculative_method, args.served_model_name, args.max_num_seqs) == \
         (9001, "k", "mtp", "m", 4)
+
+
+def test_access_log_line_per_request_and_banner(server, client, caplog):
+    from eyas.serve.app import banner
+
+    with caplog.at_level("INFO", logger="eyas.access"):
+        client.completions.create(model=NAME, prompt="x", **greedy(max_tokens=3))
+        list(client.completions.create(model=NAME, prompt="x", stream=True, **greedy(max_tokens=2)))
+        httpx.get(server[0] + "/v1/nope")
+    lines = [r.getMessage() for r in caplog.records if r.name == "eyas.access"]
+    assert len(lines) == 3, lines
+    assert '"POST /v1/completions" 200' in lines[0] and "+3 tokens" in lines[0]
+    assert '"POST /v1/completions" 200' in lines[1] and "+2 tokens" in lines[1]  # a stream: logged at its end
+    assert '"GET /v1/nope" 404' in lines[2] and lines[2].endswith("s")
+    llm = server[1].state.engine.llm
+    args = argparse.Namespace(host="127.0.0.1", port=8123, api_key=None, model="examples/x")
+    text = banner(llm, NAME, args)
+    assert "http://127.0.0.1:8123/v1" in text and "plain decoding" in text and NAME in text

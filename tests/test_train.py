@@ -35,7 +35,8 @@ def setup(tmp_path_factory):
 def config(setup, out, **kw):
     root, target, data = setup
     base = dict(target=str(target), out=str(root / out), data=str(data), draft_arch="mla", aux_layer_ids=[1, 2, 3],
-                lr=3e-3, warmup_steps=2, max_steps=12, batch_size=4, max_length=64, save_every=4, seed=0)
+                draft_vocab_size=0, lr=3e-3, warmup_steps=2, max_steps=12, batch_size=4, max_length=64, save_every=4,
+                seed=0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -174,7 +175,7 @@ def cli_args(setup, out, steps=12):
     root, target, data = setup
     return ["train", "--target", str(target), "--data", str(data), "--out", str(root / out), "--aux-layer-ids",
             "1", "2", "3", "--lr", "3e-3", "--warmup-steps", "2", "--max-steps", str(steps), "--batch-size", "4",
-            "--max-length", "64", "--save-every", "3"]
+            "--max-length", "64", "--save-every", "3", "--draft-vocab-size", "0"]
 
 
 def test_kill_9_then_resume_continues_exactly(setup):

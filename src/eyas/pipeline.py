@@ -7,14 +7,16 @@ the stage; train is always run):
   (training data)     that, or `data` as it is, plus the `extra_data` files         -> WORK/train_data.jsonl
   calibrate_vocab     a compressed draft vocabulary from the training data          -> WORK/vocab.safetensors
   dump_hidden_states  the target's aux hidden states (else the draft trains online) -> WORK/hidden_states/
-  train               the draft (always with --resume)                              -> WORK/train/draft
-  eval                its acceptance length on held-out prompts                      -> WORK/eval.json (+ .png)
-  export              the draft in other engines' layouts (`format` or `formats`)   -> WORK/export-FORMAT/
+  train               the draft (always with --resume)                              -> WORK/NAME/draft
+  eval                its acceptance length on held-out prompts                      -> WORK/NAME/eval.json (+ .png)
+  export              the draft in other engines' layouts (`format` or `formats`)   -> WORK/NAME/export-FORMAT/
 
 A recipe:
 
   target: examples/tiny-deepseek-v3        # default: the bundled tiny target
-  work_dir: runs/tiny-mla                  # where every stage writes
+  work_dir: runs/tiny                      # where every stage writes
+  name: mla                                # the draft's own directory in it (default: draft); recipes with
+                                           # the same data stages and work_dir share them
   data: conversations.jsonl                # OpenAI messages or ShareGPT records
   extra_data: [text.jsonl]                 # optional: records added to the training data as they are
   regenerate: {max_new_tokens: 192}
@@ -41,7 +43,8 @@ import sys
 from pathlib import Path
 
 STAGES = ("regenerate", "calibrate_vocab", "dump_hidden_states", "train", "eval", "export")
-TOP_LEVEL = ("target", "work_dir", "data", "extra_data", *STAGES)
+TOP_LEVEL = ("target", "work_dir", "name", "data", "extra_data", *STAGES)
+DRAFT_STAGES = ("train", "eval", "export")  # the ones writing under WORK/NAME, recorded under "NAME: stage"
 # options the pipeline sets itself, per stage: its inputs and outputs
 RESERVED = {
     "regenerate": {"data", "out", "model"},
@@ -75,6 +78,8 @@ def read_recipe(path: Path) -> dict:
     for key in ("work_dir", "data"):
         if not isinstance(recipe.get(key), str):
             raise PipelineError(f"{path}: {key} must be set to a path")
+    if not isinstance(recipe.get("name", ""), str) or "/" in recipe.get("name", ""):
+        raise PipelineError(f"{path}: name must be a directory name (no '/')")
     if not isinstance(recipe.get("extra_data", []), list):
         raise PipelineError(f"{path}: extra_data must be a list of JSONL files")
     for stage in STAGES:
@@ -92,6 +97,7 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     target = str(recipe.get("target") or DEFAULT_MODEL)
     work = Path(recipe["work_dir"])
+    own = work / draft_name(recipe)
     train_data = work / "train_data.jsonl"
 
     def flags(stage: str, section: dict) -> list[str]:
@@ -128,9 +134,9 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
     source = (["--hidden-states", str(work / "hidden_states")] if recipe.get("dump_hidden_states") is not None
               else ["--data", str(train_data)])
     vocab = ["--vocab-file", str(work / "vocab.safetensors")] if recipe.get("calibrate_vocab") is not None else []
-    out.append(("train", ["train", "--target", target, *source, *vocab, "--out", str(work / "train"), "--resume",
+    out.append(("train", ["train", "--target", target, *source, *vocab, "--out", str(own), "--resume",
                           *flags("train", recipe.get("train") or {})]))
-    draft = str(work / "train" / "draft")
+    draft = str(own / "draft")
     if recipe.get("eval") is not None:
         section = dict(recipe["eval"])
         prompts = section.pop("prompts", None)
@@ -139,7 +145,7 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
                 raise PipelineError(f"{recipe_path}: eval needs `prompts` (a JSONL prompts file) for this target")
             prompts = str(DEFAULT_EVAL_PROMPTS)
         out.append(("eval", ["eval", str(prompts), "--model", target, "--speculative-method", "eagle",
-                             "--draft-model", draft, "--out", str(work / "eval.json"), *flags("eval", section)]))
+                             "--draft-model", draft, "--out", str(own / "eval.json"), *flags("eval", section)]))
     if recipe.get("export") is not None:
         section = dict(recipe["export"])
         formats = section.pop("formats", None) or [section.pop("format", None)]
@@ -147,9 +153,13 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
         if formats == [None] or not isinstance(formats, list):
             raise PipelineError(f"{recipe_path}: export needs `format` or a `formats` list")
         for fmt in formats:
-            out.append((f"export {fmt}", ["export", draft, str(work / f"export-{fmt}"), "--format", str(fmt),
+            out.append((f"export {fmt}", ["export", draft, str(own / f"export-{fmt}"), "--format", str(fmt),
                                           "--target", target, *flags("export", section)]))
     return out
+
+
+def draft_name(recipe: dict) -> str:
+    return str(recipe.get("name") or "draft")
 
 
 def write_training_data(recipe: dict, work: Path) -> Path:
@@ -184,15 +194,17 @@ def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
     work.mkdir(parents=True, exist_ok=True)
     changed = False  # once a stage reruns, the stages after it see new inputs and rerun too
     for i, (stage, argv) in enumerate(stages, 1):
-        label = f"[{i}/{len(stages)}] {stage}"
         if stage == "data":
             write_training_data(recipe, work)
             continue
+        if stage.split(" ")[0] in DRAFT_STAGES:
+            stage = f"{draft_name(recipe)}: {stage}"
+        label = f"[{i}/{len(stages)}] {stage}"
         previous = done.get(stage)
         if previous is not None and previous == argv and not changed:
             print(f"{label}: done earlier, skipped", file=sys.stderr)
             continue
-        if previous is not None and previous != argv and stage != "train":
+        if previous is not None and previous != argv and not stage.endswith(": train"):
             raise PipelineError(f"stage {stage} finished earlier with other settings:\n  was: eyas "
                                 f"{' '.join(previous)}\n  now: eyas {' '.join(argv)}\nremove its output and its "
                                 f"entry in {record_path} to run it again")
@@ -212,7 +224,7 @@ def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
         tmp = record_path.with_name(record_path.name + ".tmp")
         tmp.write_text(json.dumps(done, indent=2) + "\n")
         os.replace(tmp, record_path)
-    print(f"pipeline done: draft in {work / 'train' / 'draft'}", file=sys.stderr)
+    print(f"pipeline done: draft in {work / draft_name(recipe) / 'draft'}", file=sys.stderr)
     return 0
 
 

@@ -48,6 +48,11 @@ SUPPORTED = (
      "MLA draft; Model Optimizer export"),
 )
 
+# EAGLE-3.1's config switches (vLLM 0.33, SGLang, speculators, SpecForge); see Eagle3Config
+EAGLE31_SWITCHES = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+# the weights each switch adds, by key prefix
+SWITCH_WEIGHTS = {"fc_norm": "fc_norm.", "norm_before_fc": "input_norm."}
+
 AUX_IDS_FIELD = "eagle_aux_hidden_state_layer_ids"
 AUX_CONVENTION_FIELD = "eagle_aux_hidden_state_layer_ids_convention"  # what eyas's exporter writes
 # eagle_config keys only Model Optimizer writes (its export template and its training config); their presence
@@ -84,6 +89,11 @@ class Eagle3Config:
     attention_bias: bool = False
     # MLA attention: a one-layer dense DeepSeek config whose hidden_size is the draft's
     mla: DeepseekV3Config | None = None
+    # EAGLE-3.1 switches (config.json booleans; all false is the EAGLE-3 draft as first published)
+    fc_norm: bool = False  # an RMSNorm per aux hidden state (fc_norm.{i}.weight) before fc
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states (input_norm.weight) before fc
+    norm_output: bool = False  # the state carried to the next draft step is the final norm's output
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(g), not g
     source: str = "config.json"
 
     def __post_init__(self) -> None:
@@ -114,6 +124,17 @@ class Eagle3Config:
                 _fail(src, "head_dim", self.head_dim, "an even number (rope rotates pairs)")
         elif self.mla is None:
             _fail(src, "mla", None, "a DeepseekV3Config for an MLA draft")
+        for name in EAGLE31_SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                _fail(src, name, getattr(self, name), "true or false")
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(f"{src}: fields 'fc_norm' and 'norm_before_fc' are both true; a draft normalises its "
+                              "aux states one way (a norm per state, or one over their concatenation), not both")
+
+    @property
+    def switches(self) -> dict[str, bool]:
+        """The EAGLE-3.1 switches, as config.json writes them."""
+        return {name: getattr(self, name) for name in EAGLE31_SWITCHES}
 
     @property
     def compressed_vocab(self) -> bool:
@@ -158,7 +179,13 @@ class Eagle3Config:
         max_pos = max(int(raw.get("max_position_embeddings") or 0), target.max_position_embeddings)
         eps = float(raw.get("rms_norm_eps", 1e-6))
         heads = raw["num_attention_heads"]
-        common = dict(hidden_size=hidden, target_hidden_size=target_hidden, vocab_size=vocab,
+        switches = {}
+        for name in EAGLE31_SWITCHES:
+            value = raw.get(name, False)
+            if not isinstance(value, bool):
+                _fail(source, name, value, "true or false")
+            switches[name] = value
+        common = dict(**switches, hidden_size=hidden, target_hidden_size=target_hidden, vocab_size=vocab,
                       draft_vocab_size=draft_vocab, num_aux_hidden_states=num_aux_hidden_states,
                       aux_hidden_state_ids=ids, aux_convention_assumed=assumed,
                       intermediate_size=raw["intermediate_size"], rms_norm_eps=eps, max_position_embeddings=max_pos,
@@ -292,11 +319,19 @@ class Eagle3DecoderLayer(nn.Module):
                           else LlamaAttention(config))
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.mlp = MLP(H, config.intermediate_size)
+        self.norm_before_residual = config.norm_before_residual
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [..., 2H], the residual [..., H]): the residual is the un-normed hidden input, or its norm with
+        norm_before_residual (EAGLE-3.1)."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        return x, normed if self.norm_before_residual else hidden
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionMetadata | None = None, cache: torch.Tensor | None = None) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [..., 2H]
-        h = hidden + self.self_attn(x, cos, sin, attn, cache)  # the residual is the un-normed hidden input
+        x, residual = self.attention_input(embeds, hidden)
+        h = residual + self.self_attn(x, cos, sin, attn, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -314,8 +349,12 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = config
         self.aux_hidden_state_ids: tuple[int, ...] = config.aux_hidden_state_ids
-        H = config.hidden_size
-        self.fc = nn.Linear(config.num_aux_hidden_states * config.target_hidden_size, H, bias=False)
+        H, n, Ht = config.hidden_size, config.num_aux_hidden_states, config.target_hidden_size
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(Ht, config.rms_norm_eps) for _ in range(n)])
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(n * Ht, config.rms_norm_eps)
+        self.fc = nn.Linear(n * Ht, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.embed_tokens = embed_tokens
@@ -334,11 +373,23 @@ class Eagle3Draft(nn.Module):
         if len(aux_hidden_states) != self.config.num_aux_hidden_states:
             raise ValueError(f"got {len(aux_hidden_states)} aux hidden states; this draft fuses "
                              f"{self.config.num_aux_hidden_states} (ids {self.aux_hidden_state_ids})")
-        return self.fc(torch.cat(aux_hidden_states, dim=-1))
+        return self.fuse(torch.stack(aux_hidden_states, dim=-2))
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., n_aux, Ht] -> g [..., H]: fc over the concatenated aux states, each normed first (fc_norm) or
+        their concatenation normed (norm_before_fc) in EAGLE-3.1 drafts."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            aux = torch.stack([norm(aux[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)
+        aux = aux.flatten(-2)
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
 
     def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata | None = None,
                 cache: torch.Tensor | None = None) -> torch.Tensor:
-        """One draft step; returns the pre-norm output, the next step's `hidden`.
+        """One draft step; returns the state carried to the next step as its `hidden` (`carried`: the pre-norm
+        output, or with norm_output its norm), from which `compute_logits` reads the step's logits.
 
         Paged: hidden [num_tokens, H], next_token_ids [num_tokens], `attn` and `cache` [num_slots,
         *cache_entry_shape()]. Batched (training, tests): hidden [batch, seq, H], next_token_ids [batch, seq],
@@ -346,7 +397,15 @@ class Eagle3Draft(nn.Module):
         """
         positions = attn.positions if attn is not None else torch.arange(hidden.shape[-2], device=hidden.device)
         cos, sin = self.rotary(positions)
-        return self.layers[0](self.embed(next_token_ids, hidden.dtype), hidden, cos, sin, attn, cache)
+        return self.carried(self.layers[0](self.embed(next_token_ids, hidden.dtype), hidden, cos, sin, attn, cache))
+
+    def carried(self, layer_output: torch.Tensor) -> torch.Tensor:
+        """The state a step hands on: the layer's (pre-norm) output, or the final norm of it (norm_output)."""
+        return self.norm(layer_output) if self.config.norm_output else layer_output
+
+    def draft_logits(self, carried: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [..., draft_vocab] from a step's carried state."""
+        return self.lm_head(carried if self.config.norm_output else self.norm(carried))
 
     def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The target's embedding of token_ids in the draft's compute dtype (the target's may be lower)."""
@@ -354,7 +413,7 @@ class Eagle3Draft(nn.Module):
 
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary [..., vocab]; target ids outside the draft vocabulary get -inf."""
-        logits = self.lm_head(self.norm(prenorm))  # [..., draft_vocab]
+        logits = self.draft_logits(prenorm)  # [..., draft_vocab]
         if not self.config.compressed_vocab:
             return logits
         target_ids = target_ids_of(self.d2t)
@@ -364,7 +423,7 @@ class Eagle3Draft(nn.Module):
 
     def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
         """The draft's proposals as target ids: argmax in the draft vocabulary, mapped through d2t."""
-        draft_ids = self.lm_head(self.norm(prenorm)).argmax(-1)
+        draft_ids = self.draft_logits(prenorm).argmax(-1)
         return draft_ids + self.d2t[draft_ids] if self.config.compressed_vocab else draft_ids
 
     def cache_entry_shape(self) -> tuple[int, ...]:

@@ -330,6 +330,15 @@ class HiddenStateShards:
             self._open.popitem(last=False)
         return self._open[k]
 
+    def token_examples(self) -> list[Example]:
+        """Every example's token ids and loss mask, read shard by shard without the hidden states."""
+        examples = []
+        for k in range(len(self.shards)):
+            f, offsets = self._shard(k)
+            ids, mask = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").int().tolist()
+            examples += [Example(ids[a:b], mask[a:b]) for a, b in zip(offsets, offsets[1:])]
+        return examples
+
     def __getstate__(self) -> dict:
         # open safetensors handles cannot be pickled (DataLoader workers): each copy reopens what it reads
         state = self.__dict__.copy()

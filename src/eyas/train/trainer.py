@@ -44,7 +44,9 @@ class TrainConfig:
     data: str | None = None  # JSONL conversations or text (online)
     hidden_states: str | None = None  # a dump-hidden-states directory (offline)
     draft_arch: str = "mla"
-    draft_vocab_size: int = 0  # 0: the target's whole vocabulary
+    # None: auto (auto_draft_vocab_size: the ids covering 95% of the loss tokens, if under half the vocabulary);
+    # 0: the target's whole vocabulary; N: the N most frequent loss tokens
+    draft_vocab_size: int | None = None
     vocab_file: str | None = None  # d2t/t2d from `eyas calibrate-vocab`
     aux_layer_ids: list[int] | None = None
     aux_layer_convention: str = "hidden_states"
@@ -58,7 +60,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     max_steps: int = 600
-    batch_size: int = 8  # global, over all ranks
+    batch_size: int = 4  # global, over all ranks
     max_length: int = 1024
     grad_clip: float = 0.5
     weight_decay: float = 0.0
@@ -239,15 +241,25 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
 
     d2t = None
     draft_vocab = cfg.draft_vocab_size
+    vocab_size = target.config.vocab_size
     if cfg.vocab_file:
         from eyas.train.vocab import load_vocab
 
         d2t, _ = load_vocab(cfg.vocab_file)
         draft_vocab = d2t.shape[0]
-    elif draft_vocab and draft_vocab != target.config.vocab_size:
-        from eyas.train.vocab import calibrate_vocab
+    elif draft_vocab != 0:
+        from eyas.train.vocab import auto_draft_vocab_size, count_loss_tokens, coverage_stats, select_draft_vocab
 
-        d2t, _ = calibrate_vocab(_examples_for_vocab(examples), target.config.vocab_size, draft_vocab)
+        counts = count_loss_tokens(_examples_for_vocab(examples), vocab_size)
+        if draft_vocab is None:
+            draft_vocab = auto_draft_vocab_size(counts)
+        if draft_vocab != vocab_size:
+            d2t, t2d = select_draft_vocab(counts, draft_vocab)
+        if rank == 0:
+            covered = coverage_stats(counts, t2d)["coverage"] if d2t is not None else 1.0
+            chosen = "auto, " if cfg.draft_vocab_size is None else ""
+            print(f"draft vocabulary: {draft_vocab} of {vocab_size} ids ({chosen}{covered:.1%} of the loss tokens)",
+                  file=sys.stderr)
     draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size)
     draft = init_draft(target, draft_config, d2t, seed=cfg.seed)
     if cfg.freeze_lm_head:
@@ -371,14 +383,11 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
 
 
 def _examples_for_vocab(examples):
-    if isinstance(examples, list):
-        from eyas.train.data import Example
-
-        return [Example(input_ids=e["input_ids"], loss_mask=e["loss_mask"]) for e in examples]
     from eyas.train.data import Example
 
-    return [Example(input_ids=examples[i]["input_ids"].tolist(), loss_mask=examples[i]["loss_mask"].int().tolist())
-            for i in range(len(examples))]
+    if isinstance(examples, list):
+        return [Example(input_ids=e["input_ids"], loss_mask=e["loss_mask"]) for e in examples]
+    return examples.token_examples()  # a dump: its token ids and masks only, not the hidden states
 
 
 # settings a resumed run may change: where and how often it saves, logs and evaluates, how it runs, and how long
@@ -659,8 +668,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--out", default="runs/draft", help="output directory")
     p.add_argument("--draft-arch", choices=["mla", "mha"], default=d["draft_arch"],
                    help="mla: DeepSeek-style attention draft; mha: Llama-style draft")
-    p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"], help="compress the draft "
-                   "vocabulary to the N most frequent loss tokens (0: the target's vocabulary)")
+    p.add_argument("--draft-vocab-size", type=int, help="compress the draft vocabulary to the N most frequent "
+                   "loss tokens of the data; 0: the target's whole vocabulary (default: auto, the fewest ids, in "
+                   "multiples of 256, covering 95%% of the loss tokens, or the whole vocabulary when that is more "
+                   "than half of it)")
     p.add_argument("--vocab-file", help="d2t/t2d from `eyas calibrate-vocab` (overrides --draft-vocab-size)")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", help="target layers to fuse (default: the standard "
                    "early/middle/late rule (2, L//2, L-3) in hidden_states convention)")

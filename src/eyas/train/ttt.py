@@ -4,7 +4,10 @@ serving, and every step is trained toward the target's distribution.
 Indexing, for a sequence of T tokens (t indexes the position whose hidden state started the chain):
 
     step 0   hidden = fc(aux[t])            token = ids[t + 1]       position t       target = p(token t + 2)
-    step k   hidden = prenorm_{k-1}[t]      token = ids[t + 1 + k]   position t + k   target = p(token t + 2 + k)
+    step k   hidden = carried_{k-1}[t]      token = ids[t + 1 + k]   position t + k   target = p(token t + 2 + k)
+
+(carried: the step's pre-norm output, or its final norm for an EAGLE-3.1 draft with norm_output; fc is preceded by
+the fc_norm / norm_before_fc norms of such drafts: Eagle3Draft.fuse.)
 
 p(token j) is the target's softmax at position j - 1. The input tokens are the true ones (teacher forcing); the
 hidden states are the draft's own, so errors compound as at inference. Positions t + k match the engine, which
@@ -100,7 +103,8 @@ def extended_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag
 def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                past: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor | None = None,
                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One TTT step. Dense: hidden [B, T, H], tokens [B, T], positions [T]; returns the pre-norm output [B, T, H] and
+    """One TTT step. Dense: hidden [B, T, H], tokens [B, T], positions [T]; returns the state carried to the next
+    step [B, T, H] (Eagle3Draft.carried: the pre-norm output, or its norm with norm_output) and
     this step's (k, v) [B, T, ...]. With `rows` [N], flat rows b * T + t, hidden [N, H], tokens [N] and
     positions [N] hold only those rows: their q, k, v are placed in the dense layout for attention (other rows stay
     zero; no query that is kept reads them, since a later step's key is visible at its own position only) and the
@@ -110,7 +114,7 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     layer = draft.layers[0]
     attn = layer.self_attn
     embeds = draft.embed(tokens, hidden.dtype)
-    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    x, residual = layer.attention_input(embeds, hidden)
     cos, sin = draft.rotary(positions)
     q, k, v = attn.expanded_qkv(x, cos, sin)
     if rows is not None:
@@ -124,9 +128,9 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     if rows is not None:
         out = _gather_rows(out, rows)
     elif keep is not None:
-        out, hidden = _gather_rows(out, keep), _gather_rows(hidden, keep)
-    h = hidden + attn.o_proj(out.flatten(-2))
-    return h + layer.mlp(layer.post_attention_layernorm(h)), (k, v)
+        out, residual = _gather_rows(out, keep), _gather_rows(residual, keep)
+    h = residual + attn.o_proj(out.flatten(-2))
+    return draft.carried(h + layer.mlp(layer.post_attention_layernorm(h))), (k, v)
 
 
 def soft_cross_entropy(target_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
@@ -170,7 +174,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
     base = torch.arange(T, device=input_ids.device)
     # step 0: every position's key and value are context for the later positions; only the needed rows go on
     # through o_proj and the MLP (the MLP is most of the layer's work)
-    hidden = draft.fc(aux_hidden_states.flatten(-2).to(draft.fc.weight.dtype))  # [B, T, H]
+    hidden = draft.fuse(aux_hidden_states)  # [B, T, H]
     b, t = needed[0].nonzero(as_tuple=True)
     prenorm, kv = draft_step(draft, hidden, F.pad(input_ids[:, 1:], (0, 1)), base, [], keep=b * T + t)  # [N_0, H]
     past = [kv]
@@ -182,7 +186,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
             b, t = needed[k].nonzero(as_tuple=True)
             prenorm, kv = draft_step(draft, prenorm, input_ids[b, t + 1 + k], t + k, past, b * T + t)
             past.append(kv)
-        logits = draft.lm_head(draft.norm(prenorm)).float().log_softmax(-1)  # [N_k, draft_vocab]
+        logits = draft.draft_logits(prenorm).float().log_softmax(-1)  # [N_k, draft_vocab]
         weight = weights[k][b, t]  # [N_k]
         # the target's distribution at position t + 1 + k (<= T - 2 for a needed row)
         target_rows = row_of[b, t + 1 + k]

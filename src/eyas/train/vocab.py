@@ -56,6 +56,24 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
     return d2t, t2d
 
 
+AUTO_COVERAGE = 0.95
+
+
+def auto_draft_vocab_size(counts: torch.Tensor, coverage: float = AUTO_COVERAGE, multiple: int = 256) -> int:
+    """The draft vocabulary `eyas train` picks by default: the fewest ids (a multiple of `multiple`, or every id the
+    data has if fewer) whose tokens make up `coverage` of the loss tokens; the whole vocabulary when that would keep
+    more than half of it, where a smaller head saves little. The vocabulary-wide head is the draft's largest matmul,
+    paid at every draft step."""
+    vocab_size = counts.shape[0]
+    cumulative = counts.sort(descending=True).values.cumsum(0)
+    if cumulative[-1] == 0:
+        return vocab_size
+    needed = int((cumulative < coverage * cumulative[-1]).sum()) + 1
+    # rounded up, but never past the ids the data has: the rest would be padding that never occurs
+    size = min(vocab_size, -(-needed // multiple) * multiple, int((counts > 0).sum()))
+    return size if size <= vocab_size // 2 else vocab_size
+
+
 def calibrate_vocab(examples: Sequence[Example], vocab_size: int,
                     draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t LongTensor [draft_vocab], t2d BoolTensor [vocab]) from the loss-masked tokens of `examples`."""
