@@ -380,3 +380,25 @@ def test_recipe_file_round_trip(setup, tmp_path):
         hand_written.write_text(text)
         with pytest.raises(ValueError, match=message):
             parse_args(["train", "--config", str(hand_written)])
+
+
+def test_eagle31_switches_train_and_are_recorded(setup):
+    """--fc-norm --norm-output --norm-before-residual: the draft trains with its norms, the exported config and
+    weights carry them, and --resume refuses a run with other switches, naming them."""
+    from safetensors import safe_open
+
+    cfg = config(setup, "eagle31", max_steps=3, save_every=3, fc_norm=True, norm_output=True,
+                 norm_before_residual=True)
+    record = train(cfg)
+    assert record["loss"] > 0
+    out = setup[0] / "eagle31"
+    written = json.loads((out / "draft" / "config.json").read_text())
+    assert (written["fc_norm"], written["norm_output"], written["norm_before_residual"],
+            written["norm_before_fc"]) == (True, True, True, False)
+    with safe_open(str(out / "draft" / "model.safetensors"), "pt") as f:
+        norms = [f.get_tensor(f"fc_norm.{i}.weight") for i in range(3)]
+    assert all(n.shape == (32,) for n in norms) and any((n != 1).any() for n in norms)  # they were trained
+    with pytest.raises(ValueError, match=r"other settings \(norm_output\)"):
+        train(config(setup, "eagle31", max_steps=4, fc_norm=True, norm_before_residual=True), resume=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        config(setup, "eagle31_both", fc_norm=True, norm_before_fc=True)

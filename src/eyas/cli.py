@@ -132,7 +132,7 @@ def speculative_config(args: argparse.Namespace):
         rejection_sampling_strategy=args.rejection_sampling_strategy,
         synthetic_acceptance_rate=args.synthetic_acceptance_rate, relaxed_thinking=args.relaxed_thinking,
         relaxed_thinking_topk=args.relaxed_thinking_topk, relaxed_thinking_delta=args.relaxed_thinking_delta,
-        aux_layer_convention=args.aux_layer_convention)
+        aux_layer_convention=args.aux_layer_convention, allow_unused_draft_weights=args.allow_unused_draft_weights)
 
 
 # measured with `eyas bench serve` on the bundled target against plain: drafting always on, c=8 1.15x, c=12 1.10x,
@@ -177,6 +177,9 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    "draft among the target's top-k whose log-prob is within delta of the best")
     s.add_argument("--relaxed-thinking-topk", type=int, default=10)
     s.add_argument("--relaxed-thinking-delta", type=float, default=0.6)
+    s.add_argument("--allow-unused-draft-weights", action="store_true", help="load a draft whose file holds weights "
+                   "its config does not use (for example fc_norm.* with fc_norm false), dropping them; without it "
+                   "that is an error naming them and the switch that would use them")
     s.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
                    help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
                    "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")

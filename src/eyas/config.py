@@ -385,6 +385,8 @@ class SpeculativeConfig:
     relaxed_thinking_topk: int = 10
     relaxed_thinking_delta: float = 0.6
     aux_layer_convention: str | None = None  # override for the draft's aux ids: hidden_states | layer_output
+    # load a draft file holding weights its config does not use (dropped); otherwise that is an error
+    allow_unused_draft_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -9,8 +9,11 @@ A draft is loaded with `load_draft` (any layout) and written back as one of:
 | sglang   | LlamaForCausalLMEagle3 | DeepseekV3ForCausalLMEagle3 (deepseek_v3) | midlayer. | hidden_states    |
 | modelopt | LlamaForCausalLMEagle3 | Eagle3DeepseekV2ForCausalLM (kimi_k2)     | layers.0. | layer_output (-1)|
 | max      | LlamaForCausalLMEagle3 | Eagle3DeepseekV2ForCausalLM (deepseek_v2) | layers.0. | hidden_states  T |
+| speculators | Eagle3Speculator    | refused (vLLM takes Llama/Qwen3 layers)   | layers.0. | hidden_states  T |
 
-(T: the ids also at the top level, which vLLM reads first; every format writes them in `eagle_config`.)
+(T: the ids also at the top level, which vLLM reads first; every other format writes them in `eagle_config`.)
+The speculators format (vLLM loads it natively) nests the draft layer's Llama config in `transformer_layer_config`
+and the proposal settings in `speculators_config`. Every format writes the four EAGLE-3.1 switches.
 
 Every config names its aux-id convention (`eagle_aux_hidden_state_layer_ids_convention`), so no reader has to guess.
 The target's embedding is never written (every engine shares the target's); `lm_head.weight` always is, so a file
@@ -38,7 +41,14 @@ from torch import nn
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
 from eyas.checkpoint import CheckpointError, checkpoint_files, dequantize_fp8, fp8_block_size
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
-from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD, Eagle3Draft, load_draft
+from eyas.models.eagle3 import (
+    AUX_CONVENTION_FIELD,
+    AUX_IDS_FIELD,
+    EAGLE31_SWITCHES,
+    SPECULATORS_ARCHITECTURE,
+    Eagle3Draft,
+    load_draft,
+)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -84,7 +94,13 @@ FORMATS = {
                             "kimi_k2", AuxConvention.LAYER_OUTPUT, False, False, "NVIDIA Model Optimizer"),
     "max": DraftFormat("max", "layers.0.", "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v2",
                        AuxConvention.HIDDEN_STATES, True, True, "Modular MAX"),
+    "speculators": DraftFormat("speculators", "layers.0.", SPECULATORS_ARCHITECTURE, "", "",
+                               AuxConvention.HIDDEN_STATES, True, True, "vLLM (speculators format), speculators"),
 }
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
+# what reads a --format modelopt export's aux ids wrongly: they are written as layer outputs, one lower than the
+# hidden_states indices these engines read (measured on the bundled MLA draft in vLLM: AL -7.5%, no warning)
+MODELOPT_MISREADERS = "vLLM, SGLang and MAX"
 
 
 # ---- config ----------------------------------------------------------------------------------------------------
@@ -117,11 +133,21 @@ def scaled_rope(rope: RopeConfig, rope_scaling: dict) -> RopeConfig:
 
 
 def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = None,
-                      rope_scaling: dict | None = None) -> dict:
-    """config.json for `draft` in format `fmt` (see FORMATS); `rope_scaling` injects YaRN for long contexts."""
+                      rope_scaling: dict | None = None, verifier: dict | None = None,
+                      num_speculative_tokens: int = 3) -> dict:
+    """config.json for `draft` in format `fmt` (see FORMATS); `rope_scaling` injects YaRN for long contexts.
+    `verifier` ({"name_or_path", "architectures"}: the target) and `num_speculative_tokens` fill the speculators
+    format's proposal settings."""
     spec, c = _format(fmt), draft.config
     dtype = dtype or draft.fc.weight.dtype
     mla = c.arch == "mla"
+    if fmt == "speculators":
+        if mla:
+            raise ExportError("an MLA draft has no speculators form: vLLM's speculators loader accepts only llama "
+                              "or qwen3 layer configs (transformer_layer_config.model_type). Export it with "
+                              "--format vllm (vLLM), sglang (SGLang, SpecForge), max (MAX), modelopt or eyas")
+        return _speculators_config(draft_config_dict(draft, "eyas", dtype, rope_scaling), draft, verifier,
+                                   num_speculative_tokens)
     if mla and fmt == "vllm" and c.mla.q_lora_rank is None:
         raise ExportError("the draft's q_lora_rank is null (a q_proj draft); vLLM's MLA draft fuses q_a_proj with "
                           "kv_a_proj_with_mqa and needs q_lora_rank set. Export --format sglang or eyas instead")
@@ -168,7 +194,39 @@ def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = 
     if spec.top_level_ids:
         cfg[AUX_IDS_FIELD] = file_ids
         cfg[AUX_CONVENTION_FIELD] = spec.convention.value
+    cfg.update(c.switches)
     return cfg
+
+
+def _speculators_config(flat: dict, draft: Eagle3Draft, verifier: dict | None, num_speculative_tokens: int) -> dict:
+    """The speculators eagle3 config.json from the draft's flat (eyas) config: the Llama layer nested, the EAGLE
+    fields and the proposal settings at the top."""
+    c = draft.config
+    eagle_fields = ("architectures", "eagle_config", AUX_IDS_FIELD, AUX_CONVENTION_FIELD, "draft_vocab_size",
+                    "target_hidden_size", "num_aux_hidden_states", "torch_dtype", *EAGLE31_SWITCHES)
+    layer = {k: v for k, v in flat.items() if k not in eagle_fields}
+    layer["architectures"] = ["LlamaForCausalLM"]
+    verifier = verifier or {"name_or_path": None, "architectures": []}
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        AUX_IDS_FIELD: list(c.aux_hidden_state_ids),
+        AUX_CONVENTION_FIELD: AuxConvention.HIDDEN_STATES.value,
+        **c.switches,
+        "embed_requires_grad": False,
+        "torch_dtype": flat["torch_dtype"],
+    }
 
 
 # ---- tensors and files -----------------------------------------------------------------------------------------
@@ -212,10 +270,11 @@ def _write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict
 
 
 def save_draft(draft: Eagle3Draft, path: str | Path, fmt: str = "eyas", dtype: torch.dtype | None = None,
-               rope_scaling: dict | None = None) -> Path:
+               rope_scaling: dict | None = None, verifier: dict | None = None,
+               num_speculative_tokens: int = 3) -> Path:
     """Write `draft` as config.json + model.safetensors in format `fmt`; `dtype` defaults to the draft's own."""
     dtype = dtype or draft.fc.weight.dtype
-    config = draft_config_dict(draft, fmt, dtype, rope_scaling)
+    config = draft_config_dict(draft, fmt, dtype, rope_scaling, verifier, num_speculative_tokens)
     return _write_checkpoint(Path(path), draft_tensors(draft, fmt, dtype), config)
 
 
@@ -286,14 +345,20 @@ def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Modul
 
 def export_draft(src_dir: str | Path, out_dir: str | Path, fmt: str, target: nn.Module | str | Path,
                  rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
-                 aux_convention: str | None = None) -> Path:
+                 aux_convention: str | None = None, allow_unused_weights: bool = False,
+                 num_speculative_tokens: int = 3) -> Path:
     """Load a draft from any layout (`load_draft`) and write it in `fmt`. `target` is a loaded target model or a
     target checkpoint directory (then only its config, embedding and lm_head are read); `dtype` defaults to the
     dtype the source file stores."""
     src_dir = Path(src_dir)
     _format(fmt)
-    draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention)
-    return save_draft(draft, out_dir, fmt, dtype or stored_dtype(src_dir), rope_scaling)
+    draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention, allow_unused_weights)
+    verifier = None
+    if not isinstance(target, nn.Module):
+        raw = json.loads((Path(target) / "config.json").read_text())
+        verifier = {"name_or_path": str(target), "architectures": raw.get("architectures") or []}
+    return save_draft(draft, out_dir, fmt, dtype or stored_dtype(src_dir), rope_scaling, verifier,
+                      num_speculative_tokens)
 
 
 # ---- FP8 ---------------------------------------------------------------------------------------------------------
@@ -381,17 +446,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
     try:
         out = export_draft(args.draft, args.out, args.format, args.target, rope_scaling, dtype,
-                           args.aux_layer_convention)
+                           args.aux_layer_convention, args.allow_unused_draft_weights, args.num_speculative_tokens)
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         return _error("export", e)
     config = json.loads((out / "config.json").read_text())
-    eagle = config["eagle_config"]
+    layer = config.get("transformer_layer_config", config)  # speculators nests the layer's own config
+    eagle = config.get("eagle_config", config)
     print(f"wrote {out}/config.json + model.safetensors ({_mb((out / 'model.safetensors').stat().st_size)}): "
           f"{args.format} layout ({FORMATS[args.format].engines}), {config['architectures'][0]} "
-          f"(model_type {config['model_type']}), {config['torch_dtype']}")
+          f"(model_type {layer['model_type']}), {config['torch_dtype']}")
     print(f"  aux ids {eagle[AUX_IDS_FIELD]} ({eagle[AUX_CONVENTION_FIELD]} convention), fc fuses "
-          f"{config['num_aux_hidden_states']} x {config['target_hidden_size']}, draft vocab "
-          f"{config['draft_vocab_size']} of {config['vocab_size']}")
+          f"{config.get('num_aux_hidden_states', len(eagle[AUX_IDS_FIELD]))} x {config['target_hidden_size']}, "
+          f"draft vocab {config['draft_vocab_size']} of {layer['vocab_size']}")
+    switches = [name for name in EAGLE31_SWITCHES if config.get(name)]
+    print(f"  EAGLE-3.1 switches: {', '.join(switches) if switches else 'none (an EAGLE-3 draft)'}")
+    if args.format == "modelopt":
+        print(f"warning: --format modelopt writes Model Optimizer's aux ids, 0-based decoder-layer outputs "
+              f"{eagle[AUX_IDS_FIELD]}; {MODELOPT_MISREADERS} read them as hidden_states indices, one layer early, "
+              "and say nothing (on the bundled MLA draft vLLM accepted 7.5% fewer tokens). For those engines export "
+              "--format vllm, sglang or max", file=sys.stderr)
     if rope_scaling:
         print(f"  rope: yarn factor {args.rope_scaling_factor} from {args.rope_original_max_position_embeddings} "
               f"positions; max_position_embeddings {config['max_position_embeddings']}")
@@ -426,7 +499,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "Eagle3LlamaForCausalLM / Eagle3DeepseekV2ForCausalLM with model_type deepseek_v2). sglang: layer under "
         "midlayer., LlamaForCausalLMEagle3 / DeepseekV3ForCausalLMEagle3, 3 aux states. modelopt: Model "
         "Optimizer's layout, aux ids as 0-based layer outputs (one lower; vLLM and SGLang read them as "
-        "hidden_states). Every config names its aux-id convention. The target's embedding is never written; "
+        "hidden_states: export warns). speculators: vLLM's native format, an Eagle3Speculator config nesting the "
+        "Llama layer's config (MHA drafts only). Every config names its aux-id convention and the EAGLE-3.1 "
+        "switches. The target's embedding is never written; "
         "lm_head always is. Reloading any export in eyas gives the same weights bit for bit.")
     e.add_argument("draft", type=Path, metavar="DRAFT_DIR", help="the draft checkpoint directory to read")
     e.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write (created; must hold no other "
@@ -443,6 +518,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                    "(default: the dtype the source file stores)")
     e.add_argument("--aux-layer-convention", choices=conventions, help="how to read the SOURCE draft's aux ids "
                    "(default: detected from its config, else hidden_states)")
+    e.add_argument("--num-speculative-tokens", type=int, default=3, help="--format speculators: the draft tokens "
+                   "per step written as the proposal method's speculative_tokens (vLLM reads it as its K)")
+    e.add_argument("--allow-unused-draft-weights", action="store_true", help="read a source draft holding weights "
+                   "its config does not use (they are dropped); without it that is an error naming them")
     e.set_defaults(func=cmd_export)
 
     q = subparsers.add_parser(

@@ -21,8 +21,17 @@ import torch
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
 from eyas.checkpoint import CheckpointError
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
-from eyas.export import DTYPE_NAMES, checkpoint_keys, load_target_head, stored_dtype
-from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD, MODELOPT_EAGLE_KEYS, load_draft
+from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, load_target_head, stored_dtype
+from eyas.models.eagle3 import (
+    AUX_CONVENTION_FIELD,
+    AUX_IDS_FIELD,
+    EAGLE31_SWITCHES,
+    MODELOPT_EAGLE_KEYS,
+    SWITCH_WEIGHTS,
+    canonical_key,
+    is_speculators_config,
+    load_draft,
+)
 
 METHODS = ("eagle", "mtp")
 
@@ -109,7 +118,8 @@ def _load(draft_dir: Path, target, aux_convention: str | None, warnings: list[st
     log.addHandler(handler)
     log.propagate = False
     try:
-        return load_draft(draft_dir, target, aux_convention)
+        # unused weights are reported as a problem below, with the rest of the report
+        return load_draft(draft_dir, target, aux_convention, allow_unused_weights=True)
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
@@ -146,17 +156,21 @@ def _convention_problems(raw: dict, file_ids: list[int] | None, assumed: str, nu
 def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, aux_convention: str | None,
                  problems: list[str], warnings: list[str]) -> dict[str, Any]:
     raw = read_config_json(draft_dir / "config.json", "a draft checkpoint directory")
-    checkpoint_keys(draft_dir)  # an unreadable file is an input error, not a mismatch
+    keys = {canonical_key(k) for k in checkpoint_keys(draft_dir)}  # an unreadable file is an input error
+    problems += _switch_problems(raw, keys)
     L = config.num_hidden_layers
     field, file_ids = _file_ids(raw)
     readings = {}
     if isinstance(file_ids, list):
         readings = {c.value: _reading(file_ids, c, L) for c in AuxConvention}
+    model_type = raw.get("model_type") or (raw.get("transformer_layer_config") or {}).get("model_type")
     facts: dict[str, Any] = {
         "path": str(draft_dir),
-        "architecture in file": f"{', '.join(raw.get('architectures') or ['?'])} (model_type "
-                                f"{raw.get('model_type')})",
+        "architecture in file": f"{', '.join(raw.get('architectures') or ['?'])} (model_type {model_type}"
+                                f"{', speculators format' if is_speculators_config(raw) else ''})",
         "aux ids in file": f"{field} = {file_ids}" if file_ids is not None else "absent (engines use their defaults)",
+        "EAGLE-3.1 switches": ", ".join(f"{name} {'true' if raw.get(name) else 'false'}"
+                                        for name in EAGLE31_SWITCHES),
         **{f"read as {name}": value for name, value in readings.items()},
     }
     target = load_target_head(target_dir, stored_dtype(draft_dir) or torch.float32)
@@ -189,6 +203,11 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
                             "own head reads); EAGLE-3 fuses early, middle and late layers below it")
     more_problems, more_warnings = _convention_problems(raw, file_ids if isinstance(file_ids, list) else None,
                                                         assumed, L, aux_convention, readings)
+    if assumed == AuxConvention.LAYER_OUTPUT.value and isinstance(file_ids, list):
+        warnings.append(f"the aux ids {file_ids} are layer outputs (Model Optimizer's convention): "
+                        f"{MODELOPT_MISREADERS} would read them as hidden_states {readings['hidden_states']}, one "
+                        "layer early, with no warning and lower acceptance; give those engines an `eyas export "
+                        "--format vllm|sglang|max` of this draft")
     problems += more_problems
     warnings += more_warnings
     t = config.rope
@@ -196,9 +215,27 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
         warnings.append(f"draft rope ({c.rope.type}, theta {c.rope.theta:g}) differs from the target's ({t.type}, "
                         f"theta {t.theta:g}); fine if the draft was trained so. A draft trained short and served long "
                         "can get YaRN with `eyas export --rope-scaling-factor`")
-    if rep["ignored_tensors"]:
-        warnings.append(f"tensors the draft does not use: {', '.join(rep['ignored_tensors'])}")
     return facts
+
+
+def _switch_problems(raw: dict, keys: set[str]) -> list[str]:
+    """A switch set without its weights, or weights of a switch that is off: either way the draft would not run as
+    it was trained. Speculators files keep the switches at the top level too."""
+    problems = []
+    for name, prefix in SWITCH_WEIGHTS.items():
+        present = sorted(k for k in keys if k.startswith(prefix))
+        if raw.get(name) and not present:
+            problems.append(f"{name} is true in config.json but the file has no {prefix}* weights")
+        elif present and not raw.get(name):
+            problems.append(f"{', '.join(present)} present but {name} is false: engines would drop these norms "
+                            "(eyas refuses the draft unless --allow-unused-draft-weights)")
+    known = ("fc.", "fc_norm.", "input_norm.", "layers.", "norm.", "lm_head.", "embed_tokens.", "d2t", "t2d")
+    other = sorted(k for k in keys if not k.startswith(known))
+    if other:
+        problems.append(f"{', '.join(other)}: weights no EAGLE-3 draft uses")
+    if is_speculators_config(raw) and raw.get("speculators_model_type") != "eagle3":
+        problems.append(f"speculators_model_type is {raw.get('speculators_model_type')!r}; eyas runs eagle3")
+    return problems
 
 
 # ---- report ------------------------------------------------------------------------------------------------------

@@ -297,7 +297,8 @@ def load_draft_for(config: SpeculativeConfig, target):
         return MTPDraft(target)
     from eyas.models.eagle3 import load_draft
 
-    return load_draft(config.draft_model, target, aux_convention=config.aux_layer_convention)
+    return load_draft(config.draft_model, target, aux_convention=config.aux_layer_convention,
+                      allow_unused_weights=config.allow_unused_draft_weights)
 
 
 def think_token_ids(tokenizer) -> tuple[int, int] | None:

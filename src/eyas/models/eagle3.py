@@ -35,12 +35,13 @@ from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
 log = logging.getLogger("eyas")
 
-MHA_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+MHA_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 MLA_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM", "DeepseekV3ForCausalLMEagle3")
 MLA_MODEL_TYPES = ("kimi_k2", "deepseek_v2", "deepseek_v3")
 SUPPORTED = (
     ("eagle", "LlamaForCausalLMEagle3", "MHA draft; SGLang, MAX, Model Optimizer"),
     ("eagle", "Eagle3LlamaForCausalLM", "MHA draft; vLLM"),
+    ("eagle", "Eagle3Speculator", "MHA draft; speculators format (vLLM)"),
     ("eagle", "Eagle3DeepseekV2ForCausalLM", "MLA draft; vLLM, MAX, Model Optimizer"),
     ("eagle", "Eagle3DeepseekV3ForCausalLM", "MLA draft; vLLM alias"),
     ("eagle", "DeepseekV3ForCausalLMEagle3", "MLA draft; SpecForge"),
@@ -440,7 +441,7 @@ class Eagle3Draft(nn.Module):
 _KEY_RULES = (
     (re.compile(r"^midlayer\.(\d+)\."), r"layers.\1."),  # multi-layer SGLang-style export
     (re.compile(r"^midlayer\."), "layers.0."),  # SGLang / SpecForge
-    (re.compile(r"^model\.(layers\.\d+\.|fc\.|norm\.|embed_tokens\.)"), r"\1"),  # vLLM-style exports
+    (re.compile(r"^model\.(layers\.\d+\.|fc\.|fc_norm\.|input_norm\.|norm\.|embed_tokens\.)"), r"\1"),  # vLLM-style
 )
 # labelled by every engine that writes each (eyas's own vllm, max and modelopt exports all write layers.0.)
 _LAYOUTS = (("midlayer.", "midlayer. (SGLang, SpecForge)"), ("model.layers.", "model.layers.0. (some vLLM exports)"),
@@ -472,16 +473,23 @@ def detect_architecture(raw: dict, has_fc: bool, source: str) -> tuple[str, str]
                       f"EAGLE-3 draft. Supported (method, architecture) pairs: {pairs}")
 
 
-def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None) -> Eagle3Draft:
-    """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, Model Optimizer, MAX or eyas, for `target`.
+def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,
+               allow_unused_weights: bool = False) -> Eagle3Draft:
+    """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, speculators, Model Optimizer, MAX or eyas, for
+    `target`.
 
     The draft shares the target's embedding (and its lm_head when the file has none or an identical copy), takes
     the target's dtype and device, and reports what it found in `draft.load_report`. `aux_convention`
-    ("hidden_states" or "layer_output") overrides how the file's aux-layer ids are read.
+    ("hidden_states" or "layer_output") overrides how the file's aux-layer ids are read. A weight the draft does
+    not use is an error naming it (and the config switch that would use it): a draft that loads but computes
+    something else than it was trained as is the worst outcome; `allow_unused_weights` loads it anyway.
     """
     path = Path(path)
     source = str(path / "config.json")
     raw = read_config_json(path / "config.json", "an EAGLE-3 draft checkpoint directory")
+    speculators = is_speculators_config(raw)
+    if speculators:
+        raw = speculators_to_hf(raw, source)
     weight = target.lm_head.weight
     dtype, device = weight.dtype, weight.device
 
@@ -540,11 +548,18 @@ def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: 
     shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items() if k not in shared}
     missing = sorted(shapes.keys() - tensors.keys())
     if missing:
+        switched = [f"{name} is true in config.json" for name, prefix in SWITCH_WEIGHTS.items()
+                    if getattr(config, name) and any(k.startswith(prefix) for k in missing)]
         raise CheckpointError(f"{path}: {len(missing)} draft weights missing: {', '.join(missing)} "
-                              f"(layout {', '.join(layouts) or 'unknown'}, architecture {arch_name})")
+                              f"(layout {', '.join(layouts) or 'unknown'}, architecture {arch_name}"
+                              f"{'; ' + ', '.join(switched) if switched else ''})")
     unexpected = sorted(tensors.keys() - shapes.keys())
+    if unexpected and not allow_unused_weights:
+        raise CheckpointError(f"{path}: {unused_weights_message(unexpected, config)}; the draft would compute "
+                              "something other than it was trained as. Set the switch in config.json, or load it "
+                              "anyway with --allow-unused-draft-weights (the weights are then ignored)")
     if unexpected:
-        log.warning("%s: ignoring %d unexpected tensors: %s", path, len(unexpected), ", ".join(unexpected))
+        log.warning("%s: ignoring %d unused tensors (allowed): %s", path, len(unexpected), ", ".join(unexpected))
     for key, shape in shapes.items():
         if tuple(tensors[key].shape) != shape:
             raise CheckpointError(f"{path}: weight {key!r} has shape {tuple(tensors[key].shape)}; config.json "
@@ -558,8 +573,51 @@ def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: 
         "num_aux_hidden_states": config.num_aux_hidden_states, "draft_vocab_size": config.draft_vocab_size,
         "vocab_size": config.vocab_size, "d2t": d2t_note, "lm_head": lm_head_note, "own_weights": sorted(shapes),
         "shared_weights": sorted(shared), "ignored_tensors": unexpected, "fp8": fp8, "dtype": str(dtype),
+        "switches": config.switches, "speculators": speculators,
     }
     return draft.eval()
+
+
+def unused_weights_message(unused: list[str], config: Eagle3Config) -> str:
+    """Which weights a draft file holds that its config does not use, and the switch that would use each."""
+    parts = []
+    for name, prefix in SWITCH_WEIGHTS.items():
+        keys = [k for k in unused if k.startswith(prefix)]
+        if keys:
+            parts.append(f"{', '.join(keys)} present but {name} is false")
+    rest = [k for k in unused if not any(k.startswith(p) for p in SWITCH_WEIGHTS.values())]
+    if rest:
+        parts.append(f"{', '.join(rest)} used by no part of an EAGLE-3 draft eyas knows")
+    return "; ".join(parts)
+
+
+# ---- the speculators format (vLLM's `speculators` library; vLLM loads it natively) ------------------------------
+
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+
+def is_speculators_config(raw: dict) -> bool:
+    return raw.get("speculators_model_type") is not None or SPECULATORS_ARCHITECTURE in (raw.get("architectures") or [])
+
+
+def speculators_to_hf(raw: dict, source: str) -> dict:
+    """A speculators eagle3 config.json as the flat HF draft config the rest of the loader reads: the nested
+    `transformer_layer_config` holds the layer's dims, the top level the EAGLE fields."""
+    kind = raw.get("speculators_model_type")
+    if kind != "eagle3":
+        _fail(source, "speculators_model_type", kind, '"eagle3" (the only speculators draft eyas runs)')
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        _fail(source, "transformer_layer_config", layer, "an object: the HF config of the draft's decoder layer")
+    if layer.get("model_type") not in ("llama", "qwen3"):
+        _fail(source, "transformer_layer_config.model_type", layer.get("model_type"),
+              '"llama" or "qwen3" (speculators eagle3 drafts are Llama-style)')
+    flat = dict(layer)
+    for key in ("draft_vocab_size", "target_hidden_size", AUX_IDS_FIELD, AUX_CONVENTION_FIELD, *EAGLE31_SWITCHES):
+        if key in raw:
+            flat[key] = raw[key]
+    flat["architectures"] = [SPECULATORS_ARCHITECTURE]
+    return flat
 
 
 def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> str:

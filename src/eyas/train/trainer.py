@@ -32,7 +32,7 @@ from tqdm import tqdm
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
-from eyas.models.eagle3 import Eagle3Config, Eagle3Draft, target_ids_of
+from eyas.models.eagle3 import EAGLE31_SWITCHES, Eagle3Config, Eagle3Draft, target_ids_of
 from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.ttt import TTTOutput, read_positions, ttt_loss
 
@@ -52,6 +52,11 @@ class TrainConfig:
     aux_layer_convention: str = "hidden_states"
     intermediate_size: int = 0  # 0: the target's dense intermediate size
     freeze_lm_head: bool = False  # keep the target's lm_head rows as they are (fewer trained weights, faster)
+    # EAGLE-3.1 switches of the draft (see Eagle3Config), recorded in its config.json
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
     ttt_steps: int = 3
     loss_decay: float = 0.9
     # 3e-3 was the best of 1e-3 / 3e-3 / 6e-3 for both eyas and Model Optimizer on the bundled target (600 steps of
@@ -92,6 +97,9 @@ class TrainConfig:
             raise ValueError("--batch-size and --max-steps must be positive")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ValueError(f"--mixed-precision is {self.mixed_precision!r}; expected auto, no or bf16")
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError("--fc-norm and --norm-before-fc exclude each other: the aux states are normed one way "
+                             "(a norm per state, or one over their concatenation)")
         if self.save_every < 1 or self.save_minutes <= 0 or self.eval_every < 0 or self.eval_num_prompts < 1:
             raise ValueError("--save-every, --save-minutes and --eval-num-prompts must be positive and "
                              "--eval-every at least 0")
@@ -105,10 +113,11 @@ class TrainConfig:
 # -- the draft at step 0 ----------------------------------------------------------------------------------------
 
 def new_draft_config(target: DeepseekV3Config, arch: str, aux_ids: tuple[int, ...], draft_vocab_size: int,
-                     intermediate_size: int = 0) -> Eagle3Config:
-    """A one-layer draft shaped after the target: its attention dims (MLA) or its head count (MHA), its rope."""
+                     intermediate_size: int = 0, switches: dict[str, bool] | None = None) -> Eagle3Config:
+    """A one-layer draft shaped after the target: its attention dims (MLA) or its head count (MHA), its rope;
+    `switches` sets the EAGLE-3.1 ones (fc_norm, norm_before_fc, norm_output, norm_before_residual)."""
     H = target.hidden_size
-    common = dict(hidden_size=H, target_hidden_size=H, vocab_size=target.vocab_size,
+    common = dict(**(switches or {}), hidden_size=H, target_hidden_size=H, vocab_size=target.vocab_size,
                   draft_vocab_size=draft_vocab_size or target.vocab_size, num_aux_hidden_states=len(aux_ids),
                   aux_hidden_state_ids=tuple(aux_ids), aux_convention_assumed="hidden_states (eyas train)",
                   intermediate_size=intermediate_size or target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
@@ -260,7 +269,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
             chosen = "auto, " if cfg.draft_vocab_size is None else ""
             print(f"draft vocabulary: {draft_vocab} of {vocab_size} ids ({chosen}{covered:.1%} of the loss tokens)",
                   file=sys.stderr)
-    draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size)
+    draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size,
+                                    {name: getattr(cfg, name) for name in EAGLE31_SWITCHES})
     draft = init_draft(target, draft_config, d2t, seed=cfg.seed)
     if cfg.freeze_lm_head:
         draft.lm_head.requires_grad_(False)
@@ -682,6 +692,14 @@ def add_cli(subparsers) -> None:
                    help="draft MLP width (0: the target's dense one)")
     p.add_argument("--freeze-lm-head", action="store_true", help="keep the lm_head at the target's rows (as Model "
                    "Optimizer does by default): fewer trained weights, faster steps")
+    p.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: an RMSNorm on each aux hidden state before fc "
+                   "(weights fc_norm.{i}.weight)")
+    p.add_argument("--norm-before-fc", action="store_true", help="EAGLE-3.1: one RMSNorm over the concatenated aux "
+                   "states before fc (input_norm.weight); excludes --fc-norm")
+    p.add_argument("--norm-output", action="store_true", help="EAGLE-3.1: carry the final norm's output, not its "
+                   "input, to the next draft step (and TTT step)")
+    p.add_argument("--norm-before-residual", action="store_true", help="EAGLE-3.1: the layer's residual is "
+                   "hidden_norm(g), not g")
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"],
                    help="train-time-test steps (draft runs on its outputs)")
     p.add_argument("--loss-decay", type=float, default=d["loss_decay"], help="weight of TTT step k is decay^k")
