@@ -136,7 +136,8 @@ def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path) -> tuple
         command += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": args.num_speculative_tokens})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1")
-    libiomp = next(Path(args.vllm_python).resolve().parents[1].rglob("libiomp5.so"), None)
+    # the virtualenv's own lib/ (not resolved: its python is a link to the base interpreter)
+    libiomp = next(Path(args.vllm_python).absolute().parents[1].rglob("libiomp5.so"), None)
     if libiomp is not None:
         env["LD_PRELOAD"] = str(libiomp)
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,

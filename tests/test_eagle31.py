@@ -282,3 +282,18 @@ def test_speculators_layout(target, target_path, tmp_path):  # noqa: F811
     keys = set(load_file(out / "model.safetensors"))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "fc_norm.0.weight"} <= keys
     assert all(k.startswith(("fc.", "fc_norm.", "layers.0.", "norm.", "lm_head.", "d2t", "t2d")) for k in keys)
+
+
+def test_speculators_file_without_norm_before_residual_reads_as_vllm_does(target, target_path, tmp_path, caplog):  # noqa: F811
+    """vLLM's speculators reader takes an absent norm_before_residual as true: eyas reads such a file the same way
+    and says so (its own exports always write the switch)."""
+    w, config = with_switches("mha", {})
+    write(tmp_path / "src", config, w)
+    out = export_draft(tmp_path / "src", tmp_path / "spec", "speculators", str(target_path))
+    written = json.loads((out / "config.json").read_text())
+    assert written["norm_before_residual"] is False and not load_draft(out, target).config.norm_before_residual
+    del written["norm_before_residual"]
+    (out / "config.json").write_text(json.dumps(written))
+    with caplog.at_level("WARNING", logger="eyas"):
+        assert load_draft(out, target).config.norm_before_residual
+    assert "taking it as true, as vLLM does" in caplog.text

@@ -199,6 +199,18 @@ def test_cli_prompt_longer_than_context(text_checkpoint, capsys):
     assert code != 0 and "context" in err
 
 
+def test_a_prompt_past_the_tokenizers_limit_gets_eyas_error_alone():
+    """Past the tokenizer's model_max_length (2,048 for the shipped one) transformers would warn "... will result in
+    indexing errors" before eyas's own error; eyas checks lengths itself, so only its error is printed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "eyas.cli", "generate", "--speculative-method", "none",
+                           "--prompt", "x = 1\n" * 600], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("eyas generate: error: prompt has 24"), proc.stderr
+    assert "indexing errors" not in proc.stderr
+
+
 def test_cli_bad_sampling_value(capsys):
     code, _, err = run_cli(["generate", "--top-p", "1.5"], capsys)
     assert code != 0 and "top_p" in err

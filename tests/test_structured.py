@@ -185,3 +185,15 @@ def test_ungrammatical_drafts_are_cut_and_output_unchanged(random_target):
     assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason == "stop"
     check("person", out.text)
     assert llm.allocator.num_used == 0
+
+
+def test_without_xgrammar_a_structured_request_names_the_extra(monkeypatch):
+    """xgrammar is optional (`eyas[structured]`): without it, plain requests run and a structured one fails with an
+    error naming the extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # makes `import xgrammar` raise ImportError
+    from eyas.engine.grammar import to_grammar
+
+    with pytest.raises(ValueError, match=r"pip install 'eyas\[structured\]'"):
+        to_grammar(spec("person"))

@@ -333,3 +333,19 @@ def test_auto_draft_vocab_size():
     flat = torch.ones(8192, dtype=torch.int64)
     assert auto_draft_vocab_size(flat) == 8192  # 95% needs 7,783 ids: more than half, so the whole vocabulary
     assert auto_draft_vocab_size(torch.zeros(100, dtype=torch.int64)) == 100
+
+
+def test_a_mostly_padding_vocabulary_is_warned_about(caplog):
+    import torch
+
+    from eyas.train.vocab import select_draft_vocab
+
+    counts = torch.zeros(8192, dtype=torch.int64)
+    counts[:100] = 7  # 100 ids occur; a 2,048-id vocabulary would be 95% padding
+    with caplog.at_level("WARNING", logger="eyas"):
+        select_draft_vocab(counts, 2048)
+    assert "1948 of the 2048 draft ids (95%) never occur" in caplog.text and "near 100" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eyas"):
+        select_draft_vocab(counts, 128)
+    assert "never occur" not in caplog.text

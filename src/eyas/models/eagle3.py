@@ -616,6 +616,12 @@ def speculators_to_hf(raw: dict, source: str) -> dict:
     for key in ("draft_vocab_size", "target_hidden_size", AUX_IDS_FIELD, AUX_CONVENTION_FIELD, *EAGLE31_SWITCHES):
         if key in raw:
             flat[key] = raw[key]
+    if "norm_before_residual" not in raw:
+        # vLLM's speculators reader (0.32, configs/speculators/algos.py) takes an absent norm_before_residual as
+        # true; read the file as the engine that serves this format does, and say so
+        log.warning("%s: the speculators config has no norm_before_residual; taking it as true, as vLLM does",
+                    source)
+        flat["norm_before_residual"] = True
     flat["architectures"] = [SPECULATORS_ARCHITECTURE]
     return flat
 
