@@ -89,3 +89,22 @@ def test_a_random_draft_is_reported_slower_than_plain(tmp_path, capsys):
     assert "costs more than it saves" in capsys.readouterr().err
     assert cli(["generate", "--prompt", "def f(x):\n", *args]) == 0
     assert "costs more than it saves" in capsys.readouterr().err
+
+
+def test_repetitive_outputs_are_counted_apart(copying):
+    """A loop cannot pass for a good draft: the report says how many outputs repeat themselves and gives the AL
+    over the others; the copying target here writes loops, so all its outputs count as repetitive."""
+    from eyas.eval.acceptance import is_repetitive, repeated_share
+
+    assert repeated_share([1, 2, 3, 4] * 8) == pytest.approx(28 / 32)  # all but the first 4-gram's first tokens
+    assert repeated_share(list(range(40))) == 0.0
+    assert repeated_share([5, 6, 7]) == 0.0
+    assert not is_repetitive(list(range(20)) + [0, 1, 2, 3])  # one repeat: 4 of 24 tokens
+    records = [{"category": "a", "turns": None, "prompt": "x"}]
+    llm = LLM(copying, speculative_method="mtp", num_speculative_tokens=3)
+    llm.encode = lambda prompt: [5, 6, 7]
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    report = evaluate(llm, records, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    overall = report["overall"]
+    assert is_repetitive(out.token_ids) and overall["repetitive_outputs"] == 1 and overall["repetitive_share"] == 1
+    assert overall["acceptance_length_non_repetitive"] == 1.0  # no verify step left to count

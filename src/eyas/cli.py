@@ -274,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_file(path: Path, parser: argparse.ArgumentParser, command: str) -> dict:
-    """The options a YAML recipe sets for `parser` (a command's parser), as argparse destinations."""
+def read_recipe_file(path: Path, expected: str) -> dict:
+    """A YAML recipe as a mapping (empty for an empty file); errors name the file and say what was `expected`."""
     import yaml
 
     try:
@@ -287,7 +287,13 @@ def settings_from_file(path: Path, parser: argparse.ArgumentParser, command: str
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of settings (key: value lines), got {type(data).__name__}")
+        raise ValueError(f"{path}: expected a mapping of {expected}, got {type(data).__name__}")
+    return data
+
+
+def settings_from_file(path: Path, parser: argparse.ArgumentParser, command: str) -> dict:
+    """The options a YAML recipe sets for `parser` (a command's parser), as argparse destinations."""
+    data = read_recipe_file(path, "settings (key: value lines)")
     return settings_from_mapping(data, parser, command, str(path))
 
 

@@ -62,16 +62,9 @@ class PipelineError(ValueError):
 
 def read_recipe(path: Path) -> dict:
     """The recipe as a mapping, its top-level keys and section kinds checked."""
-    import yaml
+    from eyas.cli import read_recipe_file
 
-    try:
-        recipe = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise PipelineError(f"{path}: cannot read the recipe ({e.strerror})") from e
-    except yaml.YAMLError as e:
-        raise PipelineError(f"{path}: not valid YAML ({e})") from e
-    if not isinstance(recipe, dict):
-        raise PipelineError(f"{path}: expected a mapping (target, work_dir, data, stage sections)")
+    recipe = read_recipe_file(path, "target, work_dir, data and stage sections")
     unknown = sorted(set(recipe) - set(TOP_LEVEL))
     if unknown:
         raise PipelineError(f"{path}: unknown key(s) {unknown}; expected {', '.join(TOP_LEVEL)}")

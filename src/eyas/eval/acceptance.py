@@ -5,6 +5,10 @@ sent as a chat message after the model's previous answers) or `{"category": ...,
 Acceptance length (AL) = tokens committed per verify step = 1 + accepted drafts / verify steps, summed over a
 category's requests before dividing; acceptance at draft position k = verify steps whose draft k was accepted /
 verify steps.
+
+Loops are trivially predictable, so they inflate AL: an output is counted repetitive when more than half of its
+tokens lie inside a repeated 4-gram (one whose tokens occurred in that order earlier in the same output), and the
+report gives, beside AL, the share of repetitive outputs and the AL over the other ones.
 """
 
 from __future__ import annotations
@@ -37,10 +41,35 @@ def read_prompts(path: Path) -> list[dict]:
     return records
 
 
+REPEAT_NGRAM = 4
+REPETITIVE_SHARE = 0.5
+
+
+def repeated_share(token_ids: list[int], n: int = REPEAT_NGRAM) -> float:
+    """The share of tokens inside a repeated n-gram: tokens j..j+n-1 count when the n-gram at j occurred at an
+    earlier start in the same sequence. A loop scores near 1 ("#\n#\n#..."), ordinary code and text low."""
+    if len(token_ids) < n:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    inside = [False] * len(token_ids)
+    for j in range(len(token_ids) - n + 1):
+        gram = tuple(token_ids[j:j + n])
+        if gram in seen:
+            inside[j:j + n] = [True] * n
+        seen.add(gram)
+    return sum(inside) / len(token_ids)
+
+
+def is_repetitive(token_ids: list[int]) -> bool:
+    return repeated_share(token_ids) > REPETITIVE_SHARE
+
+
 def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
     """Run every record (turn by turn, all records batched per turn); aggregate acceptance per category."""
-    counts: dict[str, dict] = defaultdict(lambda: {"requests": 0, "generated_tokens": 0, "verify_steps": 0,
-                                                     "accepted_drafts": 0, "accepted_counts": []})
+    def totals() -> dict:
+        return {"requests": 0, "generated_tokens": 0, "verify_steps": 0, "accepted_drafts": 0, "accepted_counts": []}
+
+    counts: dict[str, dict] = defaultdict(lambda: {**totals(), "non_repetitive": totals()})
     histories: list[list[dict]] = [[] for _ in records]
     num_turns = [len(r["turns"]) if r["turns"] else 1 for r in records]
     for turn in range(max(num_turns)):
@@ -55,8 +84,11 @@ def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
         for i, out in zip(active, llm.generate(prompts, params)):
             if records[i]["turns"]:
                 histories[i].append({"role": "assistant", "content": out.text})
+            repetitive = is_repetitive(out.token_ids)
             for key in (records[i]["category"], "overall"):
                 _add(counts[key], out)
+                if not repetitive:
+                    _add(counts[key]["non_repetitive"], out)
     return {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
             "overall": _summary(counts["overall"])}
 
@@ -74,10 +106,16 @@ def _add(c: dict, out) -> None:
 
 def _summary(c: dict) -> dict:
     steps = c["verify_steps"]
-    return {"requests": c["requests"], "generated_tokens": c["generated_tokens"], "verify_steps": steps,
-            "accepted_drafts": c["accepted_drafts"],
-            "acceptance_length": round(1 + c["accepted_drafts"] / steps, 4) if steps else 1.0,
-            "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
+    summary = {"requests": c["requests"], "generated_tokens": c["generated_tokens"], "verify_steps": steps,
+               "accepted_drafts": c["accepted_drafts"],
+               "acceptance_length": round(1 + c["accepted_drafts"] / steps, 4) if steps else 1.0,
+               "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
+    if "non_repetitive" in c:
+        other = _summary(c["non_repetitive"])
+        summary["repetitive_outputs"] = c["requests"] - other["requests"]
+        summary["repetitive_share"] = round(summary["repetitive_outputs"] / c["requests"], 4) if c["requests"] else 0.0
+        summary["acceptance_length_non_repetitive"] = other["acceptance_length"]
+    return summary
 
 
 def speed_against_plain(llm, prompts: list, params: SamplingParams) -> dict:
@@ -213,7 +251,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         args.out.write_text(text + "\n")
         plot_report(report, args.out.with_suffix(".png"), draft_title(spec, args.model))
     overall = report["overall"]
-    line = f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests"
+    repetitive = overall["repetitive_outputs"]
+    line = (f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests "
+            f"({overall['acceptance_length_non_repetitive']:.2f} over the {overall['requests'] - repetitive} that are "
+            f"not repetitive; {repetitive} repetitive)")
     if "speed" in report:
         speed = report["speed"]
         line += (f"; one request at a time, {speed['speedup']:.2f}x plain decoding "
