@@ -402,3 +402,12 @@ def test_eagle31_switches_train_and_are_recorded(setup):
         train(config(setup, "eagle31", max_steps=4, fc_norm=True, norm_before_residual=True), resume=True)
     with pytest.raises(ValueError, match="exclude each other"):
         config(setup, "eagle31_both", fc_norm=True, norm_before_fc=True)
+
+
+def test_acceptance_aware_loss_trains_and_is_part_of_the_run(setup):
+    first = train(config(setup, "lk", max_steps=2, save_every=2, loss="lk-lambda"))
+    assert first["loss"] > 0 and all(0 <= a <= 1 for a in first["acc_per_step"])
+    with pytest.raises(ValueError, match=r"other settings \(loss\)"):
+        train(config(setup, "lk", max_steps=3), resume=True)
+    with pytest.raises(ValueError, match="is not one of kl"):
+        config(setup, "lk_bad", loss="lk")

@@ -191,3 +191,52 @@ def test_pruned_rows_give_the_dense_loss_and_gradients(target, arch):
     assert empty.loss.item() == 0 and all(c.item() == 0 for c in empty.counts)
     with pytest.raises(ValueError, match=r"target_logits of shape \(3, 14, 96\): expected \[15, vocab\]"):
         ttt_loss(draft, ids, mask, aux, target_logits, 3, 0.8)
+
+
+@pytest.mark.parametrize("kind", ["lk-alpha", "lk-lambda"])
+def test_acceptance_aware_losses_against_a_per_row_loop(target, kind):
+    """LK alpha (-log alpha) and LK lambda (w KL + (1 - w)(1 - alpha), w = scale exp(-decay alpha)), alpha =
+    sum min(p, q): the loss sums equal a loop over rows written here, and their gradient reaches the draft."""
+    from eyas.train.ttt import LossKind
+
+    draft = make_draft(target, "mha", draft_vocab=40)
+    g = torch.Generator().manual_seed(3)
+    B, T = 2, 10
+    ids = torch.randint(0, 96, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[1, :6] = 0
+    aux = torch.randn(B, T, 3, 32, generator=g)
+    kept = torch.arange(40) + draft.d2t
+    target_logits = torch.randn(B, T, 96, generator=g) * 2
+    loss = LossKind(kind, lambda_scale=0.8, lambda_decay=2.0)
+    out = ttt_loss(draft, ids, mask, aux, target_logits[read_positions(mask)], ttt_steps=2, decay=0.5, loss=loss)
+    out.loss.backward()
+    assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        prenorm = chain_by_ttt(draft, aux, ids, 2)
+    for k in range(2):
+        expected, count = 0.0, 0
+        for b in range(B):
+            for t in range(T - 2 - k):
+                target_row = target_logits[b, t + 1 + k]
+                if mask[b, t + 2 + k] == 0 or not draft.t2d[target_row.argmax()]:
+                    continue
+                p = target_row[kept].softmax(-1).double()
+                q = draft.lm_head(draft.norm(prenorm[k][b, t])).softmax(-1).double().detach()
+                alpha = torch.minimum(p, q).sum()
+                if kind == "lk-alpha":
+                    expected += -torch.log(alpha).item()
+                else:
+                    kl = (p * (p.log() - q.log())).sum()
+                    w = 0.8 * torch.exp(-2.0 * alpha)
+                    expected += (w * kl + (1 - w) * (1 - alpha)).item()
+                count += 1
+        assert out.counts[k].item() == count > 0
+        assert abs(out.loss_sums[k].item() - expected) < 1e-3 * max(1.0, abs(expected))
+
+
+def test_an_unknown_loss_is_refused():
+    from eyas.train.ttt import LossKind
+
+    with pytest.raises(ValueError, match="'lk-beta' is not one of kl, lk-alpha, lk-lambda"):
+        LossKind("lk-beta")

@@ -34,7 +34,7 @@ from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import EAGLE31_SWITCHES, Eagle3Config, Eagle3Draft, target_ids_of
 from eyas.threads import THREADS_HELP, configure_threads
-from eyas.train.ttt import TTTOutput, read_positions, ttt_loss
+from eyas.train.ttt import LOSSES, LossKind, TTTOutput, read_positions, ttt_loss
 
 
 @dataclass(slots=True)
@@ -59,6 +59,9 @@ class TrainConfig:
     norm_before_residual: bool = False
     ttt_steps: int = 3
     loss_decay: float = 0.9
+    loss: str = "kl"  # kl (soft cross-entropy), lk-alpha or lk-lambda (acceptance-aware: see eyas.train.ttt)
+    lk_lambda_scale: float = 1.0
+    lk_lambda_decay: float = 1.0
     # 3e-3 was the best of 1e-3 / 3e-3 / 6e-3 for both eyas and Model Optimizer on the bundled target (600 steps of
     # 4 x 128, benchmarks/modelopt_compare.py); EAGLE's published recipes for 8B+ targets use 5e-5..1e-4
     lr: float = 3e-3
@@ -97,6 +100,7 @@ class TrainConfig:
             raise ValueError("--batch-size and --max-steps must be positive")
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise ValueError(f"--mixed-precision is {self.mixed_precision!r}; expected auto, no or bf16")
+        LossKind(self.loss, self.lk_lambda_scale, self.lk_lambda_decay)  # checks the name
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("--fc-norm and --norm-before-fc exclude each other: the aux states are normed one way "
                              "(a norm per state, or one over their concatenation)")
@@ -322,6 +326,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
     record: dict = {}
     tokens, start = 0, time.perf_counter()
     last_save = time.monotonic()
+    loss_kind = LossKind(cfg.loss, cfg.lk_lambda_scale, cfg.lk_lambda_decay)
     with StopOnInterrupt() as interrupt:
         while step < cfg.max_steps:
             for group in optimizer.param_groups:
@@ -331,7 +336,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
             aux, target_logits = target_features(target, batch, aux_ids)
             with cfg.autocast(device):
                 result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
-                                 cfg.loss_decay)
+                                 cfg.loss_decay, loss_kind)
             counts = torch.stack(result.counts).detach()
             if world > 1:
                 dist.all_reduce(counts)
@@ -529,8 +534,8 @@ class TTTLoss(nn.Module):
         self.draft = draft
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
-                target_logits: torch.Tensor, ttt_steps: int, decay: float) -> TTTOutput:
-        return ttt_loss(self.draft, input_ids, loss_mask, aux_hidden_states, target_logits, ttt_steps, decay)
+                target_logits: torch.Tensor, ttt_steps: int, decay: float, loss: LossKind | None = None) -> TTTOutput:
+        return ttt_loss(self.draft, input_ids, loss_mask, aux_hidden_states, target_logits, ttt_steps, decay, loss)
 
 
 def shard_draft(loss_fn: TTTLoss, world: int) -> None:
@@ -703,6 +708,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"],
                    help="train-time-test steps (draft runs on its outputs)")
     p.add_argument("--loss-decay", type=float, default=d["loss_decay"], help="weight of TTT step k is decay^k")
+    p.add_argument("--loss", choices=LOSSES, default=d["loss"], help="per-position loss: kl (soft cross-entropy "
+                   "against the target's distribution); lk-alpha (-log of the expected acceptance alpha = "
+                   "sum min(p, q)); lk-lambda (w KL + (1 - w)(1 - alpha), w = scale exp(-decay alpha))")
+    p.add_argument("--lk-lambda-scale", type=float, default=d["lk_lambda_scale"], help="lk-lambda's scale")
+    p.add_argument("--lk-lambda-decay", type=float, default=d["lk_lambda_decay"], help="lk-lambda's decay")
     p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW); the best of 1e-3 / 3e-3 / "
                    "6e-3 on the bundled target; large targets' published recipes use 5e-5..1e-4")
     p.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],

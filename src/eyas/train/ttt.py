@@ -20,6 +20,13 @@ step-0 keys [t=0, t=1], step-1 key [t=1], step-2 key [t=1] -> 4 visible keys; st
 Loss per step: soft cross-entropy between the target's softmax and the draft's log-softmax over the draft vocabulary
 (forward KL up to a constant), averaged over positions whose predicted token is loss-masked (assistant tokens) and
 whose target top token lies in the draft vocabulary (a tie with an id outside it counts); steps weighted decay^k.
+
+Acceptance-aware ("LK") losses replace the per-position soft cross-entropy (arXiv 2602.23881; SpecForge and
+speculators ship them). With alpha = sum_v min(p(v), q(v)), the probability that residual rejection sampling
+accepts the draft's token at that position:
+    lk-alpha    -log alpha
+    lk-lambda   w * KL(p || q) + (1 - w) * (1 - alpha),  w = scale * exp(-decay * alpha), w without gradient
+(w per position, so data-parallel ranks need nothing beyond the summed gradients).
 """
 
 from __future__ import annotations
@@ -133,6 +140,37 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, tokens: torch.Tensor, p
     return draft.carried(h + layer.mlp(layer.post_attention_layernorm(h))), (k, v)
 
 
+LOSSES = ("kl", "lk-alpha", "lk-lambda")
+
+
+@dataclass(slots=True)
+class LossKind:
+    """Which per-position loss the TTT steps minimise (see the module docstring), and lk-lambda's weight curve."""
+
+    name: str = "kl"
+    lambda_scale: float = 1.0
+    lambda_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss {self.name!r} is not one of {', '.join(LOSSES)}")
+
+
+def position_losses(target_probs: torch.Tensor, log_probs: torch.Tensor, kind: LossKind) -> torch.Tensor:
+    """[N] losses of N positions from the target's distribution [N, V] and the draft's log-softmax [N, V]."""
+    ce = soft_cross_entropy(target_probs, log_probs)
+    if kind.name == "kl":
+        return ce
+    with torch.autocast(log_probs.device.type, enabled=False):
+        p, log_q = target_probs.float(), log_probs.float()
+        alpha = torch.minimum(p, log_q.exp()).sum(-1)  # the expected acceptance of the draft's token
+        if kind.name == "lk-alpha":
+            return -torch.log(alpha.clamp_min(1e-12))
+        kl = ce - torch.special.entr(p).sum(-1)  # cross-entropy minus the target's entropy
+        w = kind.lambda_scale * torch.exp(-kind.lambda_decay * alpha.detach())
+        return w * kl + (1 - w) * (1 - alpha)
+
+
 def soft_cross_entropy(target_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
     """-sum_v p(v) log q(v) per row, in float32 even under autocast: CPU autocast runs vecdot in bfloat16, which
     moved rows of 2,048 entries by up to 0.06 (tests/test_ttt.py)."""
@@ -155,9 +193,10 @@ def _scatter_rows(values: torch.Tensor, flat: torch.Tensor, batch: int, length: 
 
 
 def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
-             target_logits: torch.Tensor, ttt_steps: int = 3, decay: float = 0.9) -> TTTOutput:
+             target_logits: torch.Tensor, ttt_steps: int = 3, decay: float = 0.9,
+             loss: LossKind | None = None) -> TTTOutput:
     """input_ids, loss_mask [B, T]; aux_hidden_states [B, T, n_aux, H]; target_logits [R, vocab]: the target's logits
-    at read_positions(loss_mask), in row-major order.
+    at read_positions(loss_mask), in row-major order. `loss`: the per-position loss (default: soft cross-entropy).
 
     Only rows that some loss needs are computed past step 0's attention: step k keeps position t when a counted
     target exists at t for step k or a later one (a row's chain never looks at another row's later steps). Prompt and
@@ -191,8 +230,7 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         # the target's distribution at position t + 1 + k (<= T - 2 for a needed row)
         target_rows = row_of[b, t + 1 + k]
         target = target_probs.index_select(0, target_rows)  # [N_k, draft_vocab]
-        ce = soft_cross_entropy(target, logits)
-        loss_sum = (ce * weight).sum()
+        loss_sum = (position_losses(target, logits, loss or LossKind()) * weight).sum()
         count = weight.sum()
         loss_sums.append(loss_sum)
         counts.append(count)
