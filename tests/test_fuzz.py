@@ -84,7 +84,7 @@ def with_request_bodies(schema: dict, vocab_size: int) -> dict:
 def live(checkpoint):  # noqa: F811
     llm = LLM(checkpoint, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, speculative_method="mtp",
               num_speculative_tokens=2)
-    with running(llm, api_key=None) as (url, _):
+    with running(llm, api_key=None, enable_docs=True) as (url, _):
         yield url, llm
 
 

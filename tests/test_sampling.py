@@ -47,3 +47,14 @@ def test_seeded_rows_are_reproducible():
         return sample(logprobs, params, [torch.Generator().manual_seed(seed) for _ in range(4)])
 
     assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4))
+
+
+def test_a_temperature_below_the_epsilon_is_greedy():
+    """1e-40 divides logits to inf and NaN (the sampler then took token 0 every step): it is greedy instead."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=t, seed=1) for t in (0.0, 1e-40, 1e-6)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-4).greedy
+    processed = process_logits(logits, params)
+    assert torch.isfinite(processed).all()
+    tokens = sample(processed, params, [None, None, None])
+    assert tokens.tolist() == logits.argmax(-1).tolist()

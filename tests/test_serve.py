@@ -39,9 +39,9 @@ def reference(checkpoint):
 
 
 @contextmanager
-def running(llm, api_key=KEY):
+def running(llm, api_key=KEY, enable_docs=False):
     """A real uvicorn server on a free loopback port, in a background thread."""
-    app = build_app(llm, NAME, api_key=api_key)
+    app = build_app(llm, NAME, api_key=api_key, enable_docs=enable_docs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -453,3 +453,13 @@ def test_access_log_line_per_request_and_banner(server, client, caplog):
     args = argparse.Namespace(host="127.0.0.1", port=8123, api_key=None, model="examples/x")
     text = banner(llm, NAME, args)
     assert "http://127.0.0.1:8123/v1" in text and "plain decoding" in text and NAME in text
+
+
+def test_bearer_scheme_is_case_insensitive_and_docs_are_off(server):
+    url = server[0]
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+    for route in ("/docs", "/redoc", "/openapi.json"):  # only with --enable-docs (the fuzz test turns them on)
+        r = httpx.get(url + route)
+        assert r.status_code == 404 and "error" in r.json(), route

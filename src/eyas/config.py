@@ -316,8 +316,9 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top log-probabilities per position
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling, shaped like vLLM's. temperature 0 means greedy. `structured_output` constrains the
-    output to a JSON schema, any JSON object, or a regex (a dict is read as StructuredOutputParams fields)."""
+    """Per-request sampling, shaped like vLLM's. temperature 0 (anything below 1e-5) means greedy.
+    `structured_output` constrains the output to a JSON schema, any JSON object, or a regex (a dict is read as
+    StructuredOutputParams fields)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -358,11 +359,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below GREEDY_TEMPERATURE (vLLM's sampling epsilon) dividing the logits by the temperature overflows to
+        # inf and NaN (1e-40 sampled token 0 every step): such a temperature means greedy
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 SPECULATIVE_METHODS = ("eagle", "mtp")
 REJECTION_STRATEGIES = ("greedy", "residual", "typical")
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
     Greedy rows are returned as plain log-softmax (their argmax is all that is used)."""
     logits = logits.float()
-    temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     logits = logits / temperature.to(logits.device)[:, None]
     for row, p in enumerate(params):
         if p.greedy:

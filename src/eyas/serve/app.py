@@ -44,8 +44,9 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client i
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> AccessLog:
-    """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`."""
+def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs: bool = False) -> AccessLog:
+    """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`.
+    `enable_docs` serves /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)."""
     metrics = ServerMetrics(model_name)
     engine = EngineLoop(llm, metrics)
 
@@ -55,7 +56,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> AccessLo
         yield
         engine.stop()
 
-    app = FastAPI(title="eyas", lifespan=lifespan)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="eyas", lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.metrics = metrics
 
@@ -76,11 +78,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> AccessLo
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not given.startswith("Bearer "):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 7235)
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
-        if not secrets.compare_digest(given[len("Bearer "):].encode(), api_key.encode()):
+        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -289,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
               speculative_config=speculative_config(args), threads=args.threads)
     name = args.served_model_name or Path(args.model).name
-    app = build_app(llm, name, api_key=args.api_key)
+    app = build_app(llm, name, api_key=args.api_key, enable_docs=args.enable_docs)
     if args.access_log:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))

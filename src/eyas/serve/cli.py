@@ -35,6 +35,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (they "
+                   "describe every route to anyone who can reach the server)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request "
                    "(client, method, route, status, tokens, seconds) on stderr")
     add_speculative_args(p)
