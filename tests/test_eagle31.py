@@ -297,3 +297,16 @@ def test_speculators_file_without_norm_before_residual_reads_as_vllm_does(target
     with caplog.at_level("WARNING", logger="eyas"):
         assert load_draft(out, target).config.norm_before_residual
     assert "taking it as true, as vLLM does" in caplog.text
+
+
+def test_export_warns_what_a_vllm_of_0_32_would_miss(target_path, tmp_path, capsys):  # noqa: F811
+    from eyas.cli import main
+
+    w, config = with_switches("mla", {"norm_before_fc": True})
+    write(tmp_path / "src", config, w)
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "vllm"), "--format", "vllm", "--target",
+                 str(target_path)]) == 0
+    assert "norm_before_fc; vLLM 0.32's MLA draft code" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "src"), str(tmp_path / "mo"), "--format", "modelopt", "--target",
+                 str(target_path)]) == 0
+    assert "vLLM, SGLang and MAX read them as hidden_states indices" in capsys.readouterr().err

@@ -460,6 +460,10 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"draft vocab {config['draft_vocab_size']} of {layer['vocab_size']}")
     switches = [name for name in EAGLE31_SWITCHES if config.get(name)]
     print(f"  EAGLE-3.1 switches: {', '.join(switches) if switches else 'none (an EAGLE-3 draft)'}")
+    if config.get("norm_before_fc") and "Deepseek" in config["architectures"][0] and args.format == "vllm":
+        print("warning: this MLA draft sets norm_before_fc; vLLM 0.32's MLA draft code (deepseek_eagle3.py) has no "
+              "such norm (its Llama draft does), so a vLLM of that age would not apply input_norm.weight. Check "
+              "your vLLM's deepseek_eagle3.py, or train the draft with --fc-norm instead", file=sys.stderr)
     if args.format == "modelopt":
         print(f"warning: --format modelopt writes Model Optimizer's aux ids, 0-based decoder-layer outputs "
               f"{eagle[AUX_IDS_FIELD]}; {MODELOPT_MISREADERS} read them as hidden_states indices, one layer early, "
