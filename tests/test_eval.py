@@ -108,3 +108,34 @@ def test_repetitive_outputs_are_counted_apart(copying):
     overall = report["overall"]
     assert is_repetitive(out.token_ids) and overall["repetitive_outputs"] == 1 and overall["repetitive_share"] == 1
     assert overall["acceptance_length_non_repetitive"] == 1.0  # no verify step left to count
+
+
+def test_eval_through_a_server_equals_in_process_eval(tmp_path):
+    """`eyas serve` stands in for the engine a user deploys on: eval --server, one request at a time, reads the
+    same acceptance from the server's counters as the in-process eval counts (greedy), per category too."""
+    from test_serve import running
+    from tiny import make_served_checkpoint
+
+    from eyas.client import ServerClient, ServerError
+    from eyas.eval.acceptance import evaluate_by_server
+
+    target = make_served_checkpoint(tmp_path / "target")
+    records = [{"category": "code", "prompt": "def f(x):\n", "turns": None},
+               {"category": "chat", "prompt": None, "turns": ["Write a loop.", "Again, shorter."]},
+               {"category": "code", "prompt": "import os\n", "turns": None}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    local = evaluate(LLM(target, max_num_seqs=1, speculative_method="mtp"), records, params)
+    with running(LLM(target, max_num_seqs=1, speculative_method="mtp"), api_key=None) as (url, _):
+        remote = evaluate_by_server(ServerClient(url), records, params)
+    for key in ("acceptance_length", "verify_steps", "accepted_drafts", "accepted_per_position", "requests",
+                "generated_tokens", "repetitive_outputs"):
+        assert remote["overall"][key] == local["overall"][key], key
+        for category in ("code", "chat"):
+            assert remote["categories"][category][key] == local["categories"][category][key], (category, key)
+    assert local["overall"]["verify_steps"] > 0
+    overall = remote["overall"]  # every request returned tokens: those after each one's first, per verify step
+    assert overall["acceptance_length_returned"] == round((overall["generated_tokens"] - overall["requests"])
+                                                          / overall["verify_steps"], 4)
+    with running(LLM(target, max_num_seqs=1), api_key=None) as (url, _):  # a server that does not speculate
+        with pytest.raises(ServerError, match="no vllm:spec_decode_num_drafts counter"):
+            evaluate_by_server(ServerClient(url), records[:1], params)

@@ -57,3 +57,68 @@ def test_cli_resumes_after_an_interruption(target, tmp_path):
     cut.write_text(lines[0] + "\n" + lines[1][:10])  # killed while writing the second chunk
     assert cli(args[:2] + [str(cut)] + args[3:]) == 0
     assert cut.read_text() == full.read_text()
+
+
+# -- through a running server ---------------------------------------------------------------------------------------
+
+def test_server_answers_equal_the_in_process_ones_and_resume(target, tmp_path):
+    """`eyas serve` stands in for a vLLM cluster: regenerate --server writes what in-process regenerate writes
+    (greedy), and a run cut short resumes with nothing lost and nothing twice."""
+    from test_serve import running
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS * 3))
+    local = tmp_path / "local.jsonl"
+    assert cli(["regenerate", str(data), str(local), "--model", str(target), "--max-new-tokens", "5"]) == 0
+    with running(LLM(target, max_num_seqs=4), api_key="k") as (url, _):
+        remote = tmp_path / "remote.jsonl"
+        args = ["regenerate", str(data), str(remote), "--server", url, "--api-key", "k", "--max-new-tokens", "5",
+                "--concurrency", "3"]
+        assert cli(args) == 0
+        assert remote.read_text() == local.read_text()
+        lines = remote.read_text().splitlines()
+        remote.write_text("\n".join(lines[:4]) + "\n" + lines[4][:7])  # killed while writing record 5
+        assert cli(args) == 0
+        assert remote.read_text() == local.read_text()
+        unauthorized = tmp_path / "401.jsonl"
+        with pytest.raises(Exception) as refused:
+            from eyas.client import ServerClient
+
+            ServerClient(url, retries=0)
+        assert "HTTP 401" in str(refused.value) and url in str(refused.value)
+        assert cli(args[:2] + [str(unauthorized)] + args[3:5] + args[7:]) == 2 and not unauthorized.exists()
+
+
+def test_client_retries_with_backoff_then_names_the_url_and_status():
+    import httpx
+
+    from eyas.client import ServerClient, ServerError
+
+    calls = []
+
+    def flaky(request):
+        calls.append(request.url.path)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if len(calls) < 4:
+            return httpx.Response(503, text="busy")
+        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+                                         "usage": {"completion_tokens": 1}})
+
+    client = ServerClient("http://cluster:8000", retries=4, backoff=0, transport=httpx.MockTransport(flaky))
+    assert client.chat([{"role": "user", "content": "x"}], 4).text == "ok" and len(calls) == 4
+    always = ServerClient("http://cluster:8000", model="m", retries=2, backoff=0,
+                          transport=httpx.MockTransport(lambda r: httpx.Response(502, text="bad gateway")))
+    with pytest.raises(ServerError, match=r"http://cluster:8000/v1/chat/completions: HTTP 502: bad gateway"):
+        always.chat([{"role": "user", "content": "x"}], 4)
+    refused = ServerClient("http://cluster:8000", model="m", retries=0,
+                           transport=httpx.MockTransport(lambda r: httpx.Response(400, text="no such field")))
+    with pytest.raises(ServerError, match="HTTP 400: no such field"):
+        refused.chat([{"role": "user", "content": "x"}], 4)
+
+    def down(request):
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(ServerError, match=r"http://cluster:8000/v1/models: ConnectError: connection refused "
+                                          r"\(after 2 tries\)"):
+        ServerClient("http://cluster:8000", retries=1, backoff=0, transport=httpx.MockTransport(down))

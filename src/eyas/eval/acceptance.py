@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eyas.config import SamplingParams
@@ -66,10 +66,7 @@ def is_repetitive(token_ids: list[int]) -> bool:
 
 def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
     """Run every record (turn by turn, all records batched per turn); aggregate acceptance per category."""
-    def totals() -> dict:
-        return {"requests": 0, "generated_tokens": 0, "verify_steps": 0, "accepted_drafts": 0, "accepted_counts": []}
-
-    counts: dict[str, dict] = defaultdict(lambda: {**totals(), "non_repetitive": totals()})
+    counts: dict[str, dict] = defaultdict(lambda: {**_totals(), "non_repetitive": _totals()})
     histories: list[list[dict]] = [[] for _ in records]
     num_turns = [len(r["turns"]) if r["turns"] else 1 for r in records]
     for turn in range(max(num_turns)):
@@ -91,6 +88,65 @@ def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
                     _add(counts[key]["non_repetitive"], out)
     return {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
             "overall": _summary(counts["overall"])}
+
+
+@dataclass(slots=True)
+class ServerOutput:
+    """What the report reads of one request answered by a running server: its tokens from the response, its
+    verify steps and accepted drafts from the deltas of the server's counters around it."""
+
+    num_generated: int
+    num_verify_steps: int
+    num_accepted: int
+    accepted_counts: list[int]
+    token_ids: list[int]
+
+
+def evaluate_by_server(client, records: list[dict], params: SamplingParams) -> dict:
+    """`evaluate` for a target served elsewhere (vLLM, SGLang with metrics, MAX, eyas serve): every request alone,
+    turn by turn, so the deltas of the server's spec-decode counters around a request are that request's.
+
+    Beside AL (1 + accepted / drafts, as the counters count: vLLM also counts drafts accepted past max_tokens) the
+    report gives `acceptance_length_returned`: tokens the responses returned after their first, per verify step."""
+    from eyas.client import ServerError
+
+    counts: dict[str, dict] = defaultdict(lambda: {**_totals(), "non_repetitive": _totals(), "returned": 0})
+    for record in records:
+        history: list[dict] = []
+        for turn in record["turns"] or [None]:
+            before = client.spec_counters()
+            if turn is None:
+                result = client.completion(record["prompt"], params.max_tokens, params.temperature, params.seed)
+            else:
+                history.append({"role": "user", "content": turn})
+                result = client.chat(history, params.max_tokens, params.temperature, params.seed)
+                history.append({"role": "assistant", "content": result.text})
+            after = client.spec_counters()
+            if "vllm:spec_decode_num_drafts" not in after:
+                raise ServerError(f"{client.url}/metrics has no vllm:spec_decode_num_drafts counter: the server is "
+                                  "not speculating, or does not export vLLM's spec-decode metrics")
+            delta = {k: int(after[k] - before.get(k, 0)) for k in after}
+            positions = sorted(int(k.split(":")[1]) for k in delta if k.startswith("per_pos:"))
+            out = ServerOutput(result.completion_tokens, delta["vllm:spec_decode_num_drafts"],
+                               delta.get("vllm:spec_decode_num_accepted_tokens", 0),
+                               [delta[f"per_pos:{k}"] for k in positions], result.token_ids or [])
+            repetitive = is_repetitive(out.token_ids)
+            for key in (record["category"], "overall"):
+                _add(counts[key], out)
+                counts[key]["returned"] += max(0, out.num_generated - 1)
+                if not repetitive:
+                    _add(counts[key]["non_repetitive"], out)
+    report = {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
+              "overall": _summary(counts["overall"])}
+    for summary, c in [(report["overall"], counts["overall"])] + [(report["categories"][k], counts[k])
+                                                                   for k in report["categories"]]:
+        steps = c["verify_steps"]
+        summary["acceptance_length_returned"] = round(c["returned"] / steps, 4) if steps else 1.0
+    return report
+
+
+def _totals() -> dict:
+    return {"requests": 0, "generated_tokens": 0, "verify_steps": 0, "accepted_drafts": 0, "accepted_counts": []}
 
 
 def _add(c: dict, out) -> None:
@@ -215,6 +271,11 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
+    p.add_argument("--server", metavar="URL", help="measure a running server instead (vLLM, SGLang, MAX, eyas "
+                   "serve; e.g. http://127.0.0.1:8000): requests one at a time, acceptance from the deltas of its "
+                   "vllm:spec_decode_* counters; the speculative options and --speed-prompts do not apply")
+    p.add_argument("--served-model-name", help="with --server: the model to send (default: the first of /v1/models)")
+    p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
     p.add_argument("--speed-prompts", type=int, default=8, help="also time this many prompts (spread over the "
                    "file, first turns) one at a time, plain and speculative on the same engine, and report the "
                    "speedup; 0: skip")
@@ -226,6 +287,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from eyas.cli import speculative_config
     from eyas.engine.llm import LLM
 
+    if args.server:
+        return _eval_by_server(args)
     spec = speculative_config(args)
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
@@ -264,4 +327,30 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if warning:
             line += "\n" + warning
     print(line, file=sys.stderr)
+    return 0
+
+
+def _eval_by_server(args: argparse.Namespace) -> int:
+    from eyas.client import ServerClient
+
+    records = read_prompts(args.prompts)
+    client = ServerClient(args.server, args.served_model_name, args.api_key)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
+                            max_tokens=args.max_new_tokens)
+    try:
+        report = evaluate_by_server(client, records, params)
+    finally:
+        client.close()
+    report["settings"] = {"server": args.server, "model": client.model, "temperature": args.temperature,
+                          "max_new_tokens": args.max_new_tokens, "prompts": str(args.prompts)}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        plot_report(report, args.out.with_suffix(".png"), f"{client.model} served at {args.server}")
+    overall = report["overall"]
+    print(f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests (from the "
+          f"tokens returned: {overall['acceptance_length_returned']:.2f}; "
+          f"{overall['acceptance_length_non_repetitive']:.2f} over the non-repetitive outputs)", file=sys.stderr)
     return 0

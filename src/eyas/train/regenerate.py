@@ -5,12 +5,18 @@ conversation keeps its system and user turns; every assistant turn is replaced b
 the conversation so far (earlier turns already regenerated). Conversations are processed in chunks, all of a chunk
 batched through the engine turn by turn; each finished chunk is appended to the output, so an interrupted run
 resumes after the last complete chunk.
+
+With --server URL the target is a running OpenAI-compatible server (vLLM, SGLang, MAX, `eyas serve`), which applies
+the chat template itself: --concurrency conversations are in flight at once, each record is appended as soon as it
+and every record before it are done (a rerun resumes after them), and a failed request is retried with backoff
+before the run stops, naming the URL and the HTTP status.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -51,14 +57,37 @@ def regenerate(llm, conversations: list[list[dict]], params: SamplingParams, fir
                 waiting.append(i)
         if not waiting:
             return out
-        per_request = [params if params.seed is None or params.greedy else
-                       replace(params, seed=hash((params.seed, first_index + i, turn)) % 2**63) for i in waiting]
+        per_request = [params if seed_of(params, first_index + i, turn) is None else
+                       replace(params, seed=seed_of(params, first_index + i, turn)) for i in waiting]
         answers = llm.generate([list(out[i]) for i in waiting], per_request,
                                on_finish=None if on_answer is None else lambda _: on_answer())
         for i, answer in zip(waiting, answers):
             out[i].append({"role": "assistant", "content": answer.text})
             position[i] += 1
         turn += 1
+
+
+def seed_of(params: SamplingParams, index: int, turn: int) -> int | None:
+    """Conversation `index`'s turn `turn` seed: from (seed, index, turn), so it depends on neither chunking nor
+    batching; None when greedy or unseeded."""
+    return None if params.seed is None or params.greedy else hash((params.seed, index, turn)) % 2**63
+
+
+def regenerate_by_server(client, conversation: list[dict], params: SamplingParams, index: int,
+                         on_answer: Callable[[], None] | None = None) -> list[dict]:
+    """One conversation with its assistant turns answered, one after another, by a running server."""
+    out: list[dict] = []
+    turn = 0
+    for message in conversation:
+        if message["role"] != "assistant":
+            out.append(dict(message))
+            continue
+        answer = client.chat(out, params.max_tokens, params.temperature, seed_of(params, index, turn))
+        out.append({"role": "assistant", "content": answer.text})
+        turn += 1
+        if on_answer is not None:
+            on_answer()
+    return out
 
 
 def add_cli(subparsers) -> None:
@@ -78,6 +107,12 @@ def add_cli(subparsers) -> None:
                    help="KV cache budget (default: 0.25 GiB on CPU); too small for max-num-seqs long conversations "
                    "means preemption and recomputation")
     p.add_argument("--limit", type=int, help="only the first N conversations")
+    p.add_argument("--server", metavar="URL", help="answer through this running OpenAI-compatible server (vLLM, "
+                   "SGLang, MAX, eyas serve; e.g. http://127.0.0.1:8000) instead of loading --model here")
+    p.add_argument("--served-model-name", help="with --server: the model name to send (default: the first of its "
+                   "/v1/models)")
+    p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--concurrency", type=int, default=8, help="with --server: conversations in flight at once")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=_cmd_regenerate)
 
@@ -97,16 +132,15 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     if done > len(conversations):
         raise ValueError(f"{args.out} has {done} lines but {args.data} only {len(conversations)} conversations; "
                          "is it the output of another file?")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
+    if args.server:
+        return _regenerate_by_server(args, conversations, done, params)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory,
               threads=args.threads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     # the bar counts answers, each as it is done; conversations are saved a chunk at a time
-    def answers(convs: list[list[dict]]) -> int:
-        return sum(m["role"] == "assistant" for conv in convs for m in conv)
-
-    bar = tqdm(total=answers(conversations), initial=answers(conversations[:done]), desc="regenerate",
+    bar = tqdm(total=_answers(conversations), initial=_answers(conversations[:done]), desc="regenerate",
                unit="answer")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
     for start in range(done, len(conversations), args.chunk_size):
         chunk = conversations[start:start + args.chunk_size]
         rewritten = regenerate(llm, chunk, params, first_index=start, on_answer=lambda: bar.update(1))
@@ -114,4 +148,41 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
             f.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in rewritten))
     bar.close()
     print(f"{args.out}: {len(conversations)} conversations ({len(conversations) - done} regenerated now)")
+    return 0
+
+
+def _answers(conversations: list[list[dict]]) -> int:
+    return sum(m["role"] == "assistant" for conv in conversations for m in conv)
+
+
+def _regenerate_by_server(args: argparse.Namespace, conversations: list[list[dict]], done: int,
+                          params: SamplingParams) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eyas.client import ServerClient
+
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency is {args.concurrency}; expected at least 1")
+    client = ServerClient(args.server, args.served_model_name, args.api_key)
+    bar = tqdm(total=_answers(conversations), initial=_answers(conversations[:done]), desc="regenerate",
+               unit="answer")
+    todo = range(done, len(conversations))
+    written = 0
+    pool = ThreadPoolExecutor(args.concurrency)
+    try:
+        with open(args.out, "a") as f:
+            # map yields in order: a record is written once it and every one before it are done
+            for record in pool.map(lambda i: regenerate_by_server(client, conversations[i], params, i,
+                                                                  lambda: bar.update(1)), todo):
+                f.write(json.dumps({"messages": record}, ensure_ascii=False) + "\n")
+                f.flush()
+                written += 1
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on a failure: the requests in flight end, no new ones
+        bar.close()
+        client.close()
+        if written < len(todo):
+            print(f"{args.out}: {done + written} of {len(conversations)} conversations done; rerun to resume",
+                  file=sys.stderr)
+    print(f"{args.out}: {len(conversations)} conversations ({written} regenerated now through {args.server})")
     return 0

@@ -1,0 +1,99 @@
+"""A small client for a running OpenAI-compatible server (vLLM, SGLang, MAX, `eyas serve`): chat requests with
+retries, and the speculative-decoding counters of its Prometheus /metrics. `eyas regenerate --server` and `eyas eval
+--server` use it when the target runs on a cluster instead of in this process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+
+# vLLM's names (eyas serve exposes the same); a counter may carry prometheus' _total suffix
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+RETRIED_STATUSES = (429, 500, 502, 503, 504)
+
+
+class ServerError(ValueError):
+    """A server that refused, failed or could not be reached, naming the URL and what happened."""
+
+
+@dataclass(slots=True)
+class ChatResult:
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    token_ids: list[int] | None = None  # when the server returns them (vLLM and eyas do with return_token_ids)
+
+
+class ServerClient:
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 4, backoff: float = 1.0, transport: httpx.BaseTransport | None = None) -> None:
+        """`model`: the served model name (default: the first of /v1/models). A request that fails to connect, times
+        out or gets 429/5xx is retried `retries` times, waiting backoff, 2 x backoff, ...; any other refusal is a
+        ServerError at once."""
+        self.url = url.rstrip("/")
+        self.retries, self.backoff = retries, backoff
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self.model = model or self._request("GET", "/v1/models")["data"][0]["id"]
+
+    def _request(self, method: str, path: str, body: dict | None = None):
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.http.request(method, path, json=body)
+            except httpx.TransportError as e:  # connection refused, reset, timed out
+                if attempt == self.retries:
+                    raise ServerError(f"{self.url}{path}: {type(e).__name__}: {e or 'no response'} (after "
+                                      f"{self.retries + 1} tries)") from e
+            else:
+                if r.status_code < 400:
+                    return r.json() if path != "/metrics" else r.text
+                if r.status_code not in RETRIED_STATUSES or attempt == self.retries:
+                    raise ServerError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            time.sleep(self.backoff * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def chat(self, messages: list[dict], max_tokens: int, temperature: float = 0.0,
+             seed: int | None = None) -> ChatResult:
+        """One chat completion; the server renders the chat template."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        data = self._request("POST", "/v1/chat/completions", body)
+        choice = data["choices"][0]
+        return ChatResult(choice["message"]["content"] or "", data["usage"]["completion_tokens"],
+                          choice["finish_reason"], choice.get("token_ids"))
+
+    def completion(self, prompt: str, max_tokens: int, temperature: float = 0.0,
+                   seed: int | None = None) -> ChatResult:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                "return_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        data = self._request("POST", "/v1/completions", body)
+        choice = data["choices"][0]
+        return ChatResult(choice["text"], data["usage"]["completion_tokens"], choice["finish_reason"],
+                          choice.get("token_ids"))
+
+    def spec_counters(self) -> dict[str, float]:
+        """The speculative-decoding counters of /metrics, summed over label sets (the per-position one under
+        "per_pos:K" for position K); {} when the server has none."""
+        values: dict[str, float] = {}
+        for line in self._request("GET", "/metrics").splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+            value = float(line.rsplit(" ", 1)[1])
+            if name in SPEC_COUNTERS:
+                values[name] = values.get(name, 0.0) + value
+            elif name == PER_POSITION and 'position="' in line:
+                key = "per_pos:" + line.split('position="', 1)[1].split('"', 1)[0]
+                values[key] = values.get(key, 0.0) + value
+        return values
+
+    def close(self) -> None:
+        self.http.close()
