@@ -39,9 +39,9 @@ def reference(checkpoint):
 
 
 @contextmanager
-def running(llm, api_key=KEY, enable_docs=False):
+def running(llm, api_key=KEY, **app_options):
     """A real uvicorn server on a free loopback port, in a background thread."""
-    app = build_app(llm, NAME, api_key=api_key, enable_docs=enable_docs)
+    app = build_app(llm, NAME, api_key=api_key, **app_options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -76,7 +76,7 @@ def greedy(max_tokens=12, **kw):
 
 
 def metrics(url) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -470,3 +470,28 @@ def test_bearer_scheme_is_case_insensitive_and_docs_are_off(server):
     for route in ("/docs", "/redoc", "/openapi.json"):  # only with --enable-docs (the fuzz test turns them on)
         r = httpx.get(url + route)
         assert r.status_code == 404 and "error" in r.json(), route
+
+
+def test_bodies_that_are_not_json_too_large_or_too_deep_are_4xx(checkpoint):
+    """Only application/json bodies reach the API (a text/plain POST is one any web page can send to localhost), a
+    body over --max-request-bytes is refused unread past the cap, JSON nested past 64 levels is a 400 (10,000 deep
+    was a 500 RecursionError), and with an API key /metrics needs it too unless --public-metrics."""
+    with running(LLM(checkpoint), max_request_bytes=4096) as (url, _):
+        auth = {"Authorization": f"Bearer {KEY}"}
+        body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 2})
+        r = httpx.post(url + "/v1/completions", content=body, headers={**auth, "Content-Type": "text/plain"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = httpx.post(url + "/v1/completions", content=body, headers=auth)  # no Content-Type at all
+        assert r.status_code == 415
+        big = json.dumps({"model": NAME, "prompt": "x " * 5000})
+        r = httpx.post(url + "/v1/completions", content=big, headers={**auth, "Content-Type": "application/json"})
+        assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/metrics", headers=auth).status_code == 200
+    with running(LLM(checkpoint), public_metrics=True) as (url, _):
+        assert httpx.get(url + "/metrics").status_code == 200
+        for depth in (100, 10_000):
+            deep = '{"model": "tiny", "prompt": "x", "extra": ' + "[" * depth + "]" * depth + "}"
+            r = httpx.post(url + "/v1/completions", content=deep,
+                           headers={**auth, "Content-Type": "application/json; charset=utf-8"})
+            assert r.status_code == 400 and "deeper than 64 levels" in r.json()["error"]["message"], depth

@@ -190,12 +190,13 @@ SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
                  "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
-def spec_counters(base_url: str) -> dict[str, float] | None:
+def spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
     """The speculative counters from /metrics, summed over label sets; None when the server has none."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(base_url + "/metrics", timeout=10).text
+        text = httpx.get(base_url + "/metrics", timeout=10, headers=headers).text
     except httpx.HTTPError:
         return None
     totals: dict[str, float] = {}
@@ -412,11 +413,11 @@ def bench_serve(args: argparse.Namespace) -> dict:
                                  args.seed, args.request_timeout, f"{label} warmup"))
             for c in args.concurrency:
                 name = f"{label} c={c}" + (f" repeat {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
-                before = spec_counters(url)
+                before = spec_counters(url, args.api_key)
                 results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate,
                                                          args.temperature, args.api_key, args.seed,
                                                          args.request_timeout, name))
-                run = run_report(label, c, results, duration, acceptance(before, spec_counters(url)))
+                run = run_report(label, c, results, duration, acceptance(before, spec_counters(url, args.api_key)))
                 run["repeat"] = repeat
                 print_run(run)
                 runs.append(run)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.engine.llm import LLM
+from eyas.serve.cli import MAX_REQUEST_BYTES
 from eyas.serve.engine import EngineLoop, EngineRequest, Update
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import (
@@ -41,12 +42,16 @@ from eyas.serve.protocol import (
 )
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels (messages -> parts, schemas a few more)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs: bool = False) -> AccessLog:
-    """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* needs `Authorization: Bearer <key>`.
-    `enable_docs` serves /docs, /redoc and /openapi.json (off by default: they describe the server to anyone)."""
+def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs: bool = False,
+              public_metrics: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> AccessLog:
+    """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* and /metrics (unless `public_metrics`)
+    need `Authorization: Bearer <key>`. `enable_docs` serves /docs, /redoc and /openapi.json (off by default: they
+    describe the server to anyone). A request body over `max_request_bytes` is refused (413) without being read
+    whole."""
     metrics = ServerMetrics(model_name)
     engine = EngineLoop(llm, metrics)
 
@@ -96,19 +101,19 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "eyas",
                                             "max_model_len": llm.max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if public_metrics else [Depends(check_api_key)])
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(llm), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, model_name)
+        body = await _parse(request, CompletionRequest, model_name, max_request_bytes)
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         return await _respond(request, engine, body, body.prompt, max_tokens, "text_completion", model_name)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatRequest, model_name)
+        body = await _parse(request, ChatRequest, model_name, max_request_bytes)
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [m.as_dict() for m in body.messages]
         return await _respond(request, engine, body, messages, max_tokens, "chat.completion", model_name)
@@ -148,11 +153,26 @@ class AccessLog:
 ACCESS_LOG = logging.getLogger("eyas.access")
 
 
-async def _parse(request: Request, cls: type[BaseModel], model_name: str):
+async def _parse(request: Request, cls: type[BaseModel], model_name: str, max_bytes: int):
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":  # a text/plain POST is one any web page may send to localhost
+        raise ApiError(415, f"the request body must be JSON sent with Content-Type: application/json, not "
+                       f"{media_type or 'no Content-Type'}", code="unsupported_media_type")
+    raw = bytearray()
+    async for chunk in request.stream():  # read up to the cap, never the whole of an oversized body
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise ApiError(413, f"the request body is over {max_bytes} bytes (the server's --max-request-bytes)",
+                           code="request_too_large")
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from e
+    except RecursionError as e:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from e
+    if _json_depth(data) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -194,6 +214,18 @@ async def _respond(request: Request, engine: EngineLoop, body, prompt, max_token
     return JSONResponse(make(rid, model_name, "".join(text), last.finish_reason, last.num_prompt_tokens,
                              last.num_generated, token_ids if body.return_token_ids else None,
                              logprobs if params.logprobs is not None else None))
+
+
+def _json_depth(value) -> int:
+    """How deep containers nest in a parsed JSON value, without recursion (a hostile body may nest 10,000 deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class _EventStream(StreamingResponse):
@@ -291,7 +323,8 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
               speculative_config=speculative_config(args), threads=args.threads)
     name = args.served_model_name or Path(args.model).name
-    app = build_app(llm, name, api_key=args.api_key, enable_docs=args.enable_docs)
+    app = build_app(llm, name, api_key=args.api_key, enable_docs=args.enable_docs,
+                    public_metrics=args.public_metrics, max_request_bytes=args.max_request_bytes)
     if args.access_log:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))

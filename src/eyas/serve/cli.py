@@ -9,6 +9,10 @@ from pathlib import Path
 from eyas.engine.llm import DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 
+# the default request-body cap (a 2,048-token context is a few KB of text); here, not in app.py, so that building
+# the `eyas` parser imports no FastAPI
+MAX_REQUEST_BYTES = 8 * 2**20
+
 
 def _serve(args: argparse.Namespace) -> int:
     from eyas.serve.app import serve
@@ -35,6 +39,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--public-metrics", action="store_true", help="with --api-key, serve /metrics without the key "
+                   "(it needs the key otherwise)")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies are "
+                   "refused with 413, read no further than this")
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (they "
                    "describe every route to anyone who can reach the server)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request "
