@@ -411,3 +411,35 @@ def test_acceptance_aware_loss_trains_and_is_part_of_the_run(setup):
         train(config(setup, "lk", max_steps=3), resume=True)
     with pytest.raises(ValueError, match="is not one of kl"):
         config(setup, "lk_bad", loss="lk")
+
+
+def test_runs_cannot_trample_each_other_and_a_cut_checkpoint_falls_back(setup, tmp_path):
+    """OUT is locked while a run trains (a second run refuses, naming the first's PID); OUT is checked writable
+    before the target loads; a state.pt cut short resumes from the checkpoint before it."""
+    import torch
+
+    root = setup[0]
+    args = cli_args(setup, "locked", steps=400)
+    args[args.index("--save-every") + 1] = "1000"
+    first = run_cli(args)
+    log = root / "locked" / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    second = run_cli_captured(cli_args(setup, "locked", steps=400) + ["--resume"])
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert second.returncode == 2 and f"in use by another training run (PID {first.pid})" in second.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="cannot write the output directory"):
+        train(TrainConfig(target="/no/such/target", out=str(blocker / "run"), data=str(setup[2])))
+    train(config(setup, "fallback", max_steps=4, save_every=2))
+    ckpt = root / "fallback" / "checkpoint"
+    assert torch.load(ckpt / "state.prev.pt", weights_only=True)["step"] == 2
+    before = read_log(root / "fallback" / "train_log.jsonl")
+    (ckpt / "state.pt").write_bytes((ckpt / "state.pt").read_bytes()[:1000])  # cut short
+    train(config(setup, "fallback", max_steps=6, save_every=2), resume=True)
+    after = read_log(root / "fallback" / "train_log.jsonl")
+    assert [r["step"] for r in after] == list(range(1, 7))
+    assert [r["loss"] for r in after[:4]] == [r["loss"] for r in before]  # steps 3 and 4 ran again, the same

@@ -14,6 +14,7 @@ drafts too large to replicate; the maths is the same, and checkpoints hold whole
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -221,7 +222,50 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
 # -- the loop -----------------------------------------------------------------------------------------------------
 
 def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
-    """Run training; returns the last log record. `on_step(step, record)` is called after each step."""
+    """Run training; returns the last log record. `on_step(step, record)` is called after each step. OUT is locked
+    for the run (checked writable before the target loads): a second run on it refuses, naming the first's PID."""
+    rank, _ = setup_distributed(cfg.device)
+    with RunLock(Path(cfg.out)) if rank == 0 else contextlib.nullcontext():
+        return _train(cfg, resume, on_step)
+
+
+class RunLock:
+    """OUT/.lock, flock'ed for as long as a run trains into OUT; the file holds the run's PID."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.path = out, out / ".lock"
+        self.file = None
+
+    def __enter__(self) -> RunLock:
+        import fcntl
+
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a+")
+        except OSError as e:
+            raise ValueError(f"cannot write the output directory {self.out}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            self.file.seek(0)
+            pid = self.file.read().strip() or "unknown"
+            self.file.close()
+            raise ValueError(f"{self.out} is in use by another training run (PID {pid}); wait for it to end, or "
+                             "train into another --out") from e
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()}\n")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
     from eyas.checkpoint import load_model
     from eyas.engine.llm import load_tokenizer
 
@@ -288,8 +332,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
 
     step = 0
     state_path = out / "checkpoint" / "state.pt"
-    if resume and state_path.is_file():
-        state = torch.load(state_path, weights_only=True, map_location=device)
+    state = load_training_state(out / "checkpoint", device) if resume else None
+    if state is not None:
         check_resumable(cfg, state["config"], state_path)
         if fsdp:
             load_sharded_state(draft, optimizer, state, names)
@@ -298,7 +342,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
             optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     elif resume and rank == 0:
-        print(f"no checkpoint at {state_path}; starting from step 0", file=sys.stderr)
+        print(f"no checkpoint in {state_path.parent}; starting from step 0", file=sys.stderr)
 
     def lr_at(s: int) -> float:
         # a run extended on resuming (a larger --max-steps) stretches the cosine from where it is
@@ -509,6 +553,26 @@ def write_recipe(path: Path, cfg: TrainConfig) -> None:
     path.write_text(header + yaml.safe_dump(asdict(cfg), sort_keys=False))
 
 
+PREVIOUS_STATE = "state.prev.pt"
+
+
+def load_training_state(ckpt: Path, device: torch.device) -> dict | None:
+    """The newest readable training state in `ckpt`: state.pt, else the one before it (a state.pt truncated or
+    corrupted after it was written); None when there is neither."""
+    for name in ("state.pt", PREVIOUS_STATE):
+        path = ckpt / name
+        if not path.is_file():
+            continue
+        try:
+            return torch.load(path, weights_only=True, map_location=device)
+        except (RuntimeError, EOFError, ValueError, OSError) as e:  # what torch.load raises for a cut file
+            print(f"{path} cannot be read ({type(e).__name__}: {str(e)[:120]}); trying the checkpoint before it",
+                  file=sys.stderr)
+    if (ckpt / "state.pt").is_file():
+        raise ValueError(f"{ckpt}: no readable training state (state.pt and {PREVIOUS_STATE} are damaged)")
+    return None
+
+
 def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer_state: dict, step: int, cfg: TrainConfig) -> None:
     """Atomically: the training state (for --resume) and the draft itself in eyas's layout (for serving)."""
     from eyas.export import save_draft
@@ -518,6 +582,8 @@ def save_checkpoint(out: Path, draft: Eagle3Draft, optimizer_state: dict, step: 
     own = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
     tmp = ckpt / "state.pt.tmp"
     torch.save({"draft": own, "optimizer": optimizer_state, "step": step, "config": _comparable(cfg)}, tmp)
+    if (ckpt / "state.pt").is_file():  # kept until the new one is in place: a state.pt cut short falls back to it
+        os.replace(ckpt / "state.pt", ckpt / PREVIOUS_STATE)
     os.replace(tmp, ckpt / "state.pt")
     save_draft(draft, out / "draft", fmt="eyas")
 
