@@ -132,3 +132,45 @@ def test_mtp_layer_matches_a_transformers_decoder_layer(tmp_path):
         paged = mtp(ids[0, 1:], hidden[0], cos_p, sin_p, attn, cache)
         assert (paged - out[0]).abs().max().item() < 1e-5
         assert mtp.compute_logits(out).shape == (1, T, 96)
+
+
+def test_hostile_configs_and_indexes_are_refused_fast(checkpoint, tmp_path):
+    """Each a one-line ConfigError/CheckpointError naming the field or file, before any module is built."""
+    import time
+
+    from eyas.config import ConfigError
+
+    path, _ = checkpoint
+    raw = json.loads((path / "config.json").read_text())
+    cases = [({"num_hidden_layers": 10**9}, ConfigError, "'num_hidden_layers' is 1000000000; expected at most 1024"),
+             ({"hidden_size": 2**30}, ConfigError, "'hidden_size'.*at most 65536"),
+             ({"rms_norm_eps": float("nan")}, ConfigError, "'rms_norm_eps' is nan; expected a finite number"),
+             ({"rope_parameters": {**YARN, "factor": float("inf")}}, ConfigError, "'rope_parameters.factor' is inf"),
+             ({"rms_norm_eps": 5}, ConfigError, "'rms_norm_eps' is 5.0; expected a number in"),
+             ]
+    for change, error, message in cases:
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(path, bad)
+        (bad / "config.json").write_text(json.dumps({**raw, **change}))
+        start = time.perf_counter()
+        with pytest.raises(error, match=message):
+            load_model(bad)
+        assert time.perf_counter() - start < 1.0, change
+    deep = tmp_path / "deep"
+    shutil.copytree(path, deep)
+    (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_model(deep)
+    for weight_map, message in [({"x": "../model.safetensors"}, "not a file name in"),
+                                ({"x": "/etc/passwd"}, "not a file name in"),
+                                ([1, 2], "'weight_map' must map"), ({"x": 5}, "'weight_map' must map")]:
+        sharded = tmp_path / f"index-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(path, sharded)
+        (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(sharded)
+    broken = tmp_path / "broken-index"
+    shutil.copytree(path, broken)
+    (broken / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        load_model(broken)

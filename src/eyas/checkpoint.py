@@ -30,8 +30,16 @@ def checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object): {e}") from e
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object of key -> file "
+                                  f"name): {type(e).__name__}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        for name in set(weight_map.values()):
+            # a shard is a file in this directory: nothing the index names may lie outside it
+            if Path(name).is_absolute() or Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{index}: shard file name {name!r} is not a file name in {path}; refusing "
+                                      "to read outside the model directory")
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

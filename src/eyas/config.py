@@ -98,13 +98,31 @@ class RopeConfig:
 
 
 def read_config_json(file: Path, expected: str) -> dict:
-    """A config.json as a dict; a missing or malformed file is a ConfigError naming it and what was expected."""
+    """A config.json as a dict; a missing or malformed file is a ConfigError naming it and what was expected, and
+    so is a NaN or infinite number anywhere in it (json reads `NaN` and `Infinity`; a NaN rms_norm_eps loaded
+    and emitted empty text) or nesting too deep to read."""
     if not file.is_file():
         raise ConfigError(f"{file}: no such file (expected {expected} with a config.json)")
     try:
-        return json.loads(file.read_text())
+        raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from e
+    except RecursionError as e:
+        raise ConfigError(f"{file}: nested too deeply to be a model config") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: cannot read ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in raw.items()]
+    while stack:  # without recursion: the file is not trusted
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{file}: field {where!r} is {value}; expected a finite number")
+        if isinstance(value, dict):
+            stack += [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return raw
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -112,6 +130,11 @@ def yarn_mscale(scale: float, mscale: float) -> float:
 
 
 TARGET_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+SIZE_BOUNDS = {"vocab_size": 2**22, "hidden_size": 65536, "intermediate_size": 2**20, "num_hidden_layers": 1024,
+               "num_attention_heads": 1024, "kv_lora_rank": 65536, "qk_nope_head_dim": 4096,
+               "qk_rope_head_dim": 4096, "v_head_dim": 4096, "max_position_embeddings": 2**24,
+               "moe_intermediate_size": 2**20, "n_routed_experts": 65536, "n_shared_experts": 1024,
+               "num_experts_per_tok": 1024, "num_nextn_predict_layers": 16}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -157,6 +180,14 @@ class DeepseekV3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 _fail(src, name, value, "a positive integer")
+        # sane bounds, checked before any module is built (num_hidden_layers 10**9 built until memory ran out):
+        # each is far above every DeepSeek-V3-family model (61 layers, hidden 7168, 256 experts, 163,840 ids)
+        for name, bound in SIZE_BOUNDS.items():
+            value = getattr(self, name)
+            if isinstance(value, int) and value > bound:
+                _fail(src, name, value, f"at most {bound}")
+        if not (isinstance(self.rms_norm_eps, int | float) and 0 < self.rms_norm_eps < 1):
+            _fail(src, "rms_norm_eps", self.rms_norm_eps, "a number in (0, 1)")
         if self.qk_rope_head_dim % 2:
             _fail(src, "qk_rope_head_dim", self.qk_rope_head_dim, "an even number")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
