@@ -197,3 +197,16 @@ def test_without_xgrammar_a_structured_request_names_the_extra(monkeypatch):
 
     with pytest.raises(ValueError, match=r"pip install 'eyas\[structured\]'"):
         to_grammar(spec("person"))
+
+
+def test_compiled_grammars_are_an_lru_of_bounded_size():
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    cache = GrammarCache(tok, 8192, {1}, max_entries=2)
+    specs = [StructuredOutputParams(regex=f"[0-9]{{{n}}}") for n in (1, 2, 3)]
+    cache.matcher(specs[0])
+    cache.matcher(specs[1])
+    cache.matcher(specs[0])  # used again: now the most recent
+    cache.matcher(specs[2])  # evicts specs[1], the least recently used
+    assert list(cache.compiled) == [specs[0].key, specs[2].key]
+    matcher = cache.matcher(specs[1])  # compiled again when asked for again
+    assert len(cache.compiled) == 2 and matcher is not None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,15 +79,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 class GrammarCache:
-    """One tokenizer's xgrammar compiler; compiled grammars cached by spec."""
+    """One tokenizer's xgrammar compiler; compiled grammars cached by spec, the `max_entries` most recently used
+    (a compiled schema holds its token masks: 200 distinct large schemas added 561 MB unbounded)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_entries: int = 64) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self.compiled: dict[tuple, object] = {}
+        self.compiled: OrderedDict[tuple, object] = OrderedDict()
+        self.max_entries = max_entries
         stop = torch.zeros(vocab_size, dtype=torch.bool)
         stop[self.stop_token_ids] = True
         control = torch.tensor([any(c < 0x20 for c in b) for b in info.decoded_vocab[:vocab_size]])
@@ -99,8 +102,12 @@ class GrammarCache:
 
     def matcher(self, spec: StructuredOutputParams) -> SequenceGrammar:
         key = spec.key
-        if key not in self.compiled:
+        if key in self.compiled:
+            self.compiled.move_to_end(key)
+        else:
             self.compiled[key] = self.compiler.compile_grammar(to_grammar(spec))
+            while len(self.compiled) > self.max_entries:
+                self.compiled.popitem(last=False)  # the least recently used; running matchers keep their own
         json_spec = spec.json_schema is not None or spec.json_object
         return SequenceGrammar(_xgrammar().GrammarMatcher(self.compiled[key]), self, json_spec)
 
