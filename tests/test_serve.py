@@ -495,3 +495,73 @@ def test_bodies_that_are_not_json_too_large_or_too_deep_are_4xx(checkpoint):
             r = httpx.post(url + "/v1/completions", content=deep,
                            headers={**auth, "Content-Type": "application/json; charset=utf-8"})
             assert r.status_code == 400 and "deeper than 64 levels" in r.json()["error"]["message"], depth
+
+
+def test_no_hostile_request_stalls_the_others(checkpoint):
+    """While a greedy stream runs, requests whose cost the client controls (a 5 MB prompt, a 5 MB chat message, a
+    10,000-property schema, a 20,000-word alternation, 100,000 stop strings, a 300 MB body) each get their 4xx with
+    an OpenAI error body, the stream never pauses for 0.5 s and /health answers within 0.5 s throughout: their
+    work runs in the preparation threads, bounded by limits checked first, not on the engine thread or the event
+    loop."""
+    import threading
+
+    llm = LLM(checkpoint, max_num_seqs=4)
+    with running(llm, api_key=None) as (url, _):
+        gaps, health, done = [], [], threading.Event()
+
+        def stream():  # one greedy stream after another until the hostile requests are done
+            body = {"model": NAME, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
+            while not done.is_set():
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                    assert r.status_code == 200
+                    last = None
+                    for line in r.iter_lines():
+                        now = time.perf_counter()
+                        if line and last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+        def probe():
+            while not done.is_set():
+                start = time.perf_counter()
+                assert httpx.get(url + "/health", timeout=10).status_code == 200
+                health.append(time.perf_counter() - start)
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=probe)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the stream is running
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10_000)}}
+        hostile = [
+            ("/v1/completions", {"model": NAME, "prompt": "x = 1\n" * 850_000}, 400),
+            ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x = 1\n" * 850_000}]},
+             400),
+            ("/v1/chat/completions", {"model": NAME, "messages": CHAT, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}, 400),
+            ("/v1/completions", {"model": NAME, "prompt": "x", "guided_regex": "|".join(f"w{i}" for i in
+                                                                                       range(20_000))}, 400),
+            ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [f"s{i}" for i in range(100_000)]}, 400),
+        ]
+        for path, body, status in hostile:
+            r = httpx.post(url + path, json=body, timeout=60)
+            assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, \
+                (path, r.status_code, r.text[:200])
+
+        def chunks():  # 300 MB offered; the server reads 8 MiB of it
+            for _ in range(300):
+                yield b" " * 2**20
+
+        try:
+            r = httpx.post(url + "/v1/completions", content=chunks(), timeout=60,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 413, r.text[:200]
+        except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # the server answered 413 and closed the connection while the client was still sending
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert len(gaps) > 50 and len(health) > 10, (len(gaps), len(health))
+    print(f"largest stream gap {max(gaps):.3f} s over {len(gaps)} chunks; slowest /health {max(health):.3f} s")
+    assert max(gaps) < 0.5 and max(health) < 0.5, (max(gaps), max(health))

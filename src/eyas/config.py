@@ -311,6 +311,29 @@ class DeepseekV3Config:
         return out
 
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1_000
+MAX_REGEX_CHARS = 10_000
+MAX_SCHEMA_PROPERTIES = 1_000
+MAX_SCHEMA_DEPTH = 32
+
+
+def _schema_size(schema: dict) -> tuple[int, int]:
+    """(properties declared anywhere in a JSON schema, how deep its objects and lists nest), without recursion."""
+    properties, deepest, stack = 0, 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            deepest = max(deepest, depth)
+            if isinstance(node.get("properties"), dict):
+                properties += len(node["properties"])
+            if depth <= MAX_SCHEMA_DEPTH:
+                stack += [(child, depth + 1) for child in node.values()]
+        elif isinstance(node, list) and depth <= MAX_SCHEMA_DEPTH:
+            stack += [(child, depth + 1) for child in node]
+    return properties, deepest
+
+
 @dataclass(slots=True)
 class StructuredOutputParams:
     """Constrained decoding: exactly one of a JSON schema, any JSON object, or a regular expression. Checked here
@@ -331,6 +354,14 @@ class StructuredOutputParams:
                              "JSON schema object (dict)")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError(f"structured_output regex is {self.regex!r}; expected a non-empty string")
+        # bounded before anything compiles them: a 10,000-property schema took 34 s, a 20,000-word alternation 22 s
+        if self.regex is not None and len(self.regex) > MAX_REGEX_CHARS:
+            raise ValueError(f"structured_output regex is {len(self.regex)} characters; at most {MAX_REGEX_CHARS}")
+        if self.json_schema is not None:
+            properties, depth = _schema_size(self.json_schema)
+            if properties > MAX_SCHEMA_PROPERTIES or depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_output json_schema has {properties} properties nested {depth} deep; "
+                                 f"at most {MAX_SCHEMA_PROPERTIES} properties and {MAX_SCHEMA_DEPTH} levels")
         from eyas.engine.grammar import to_grammar
 
         to_grammar(self)  # raises ValueError naming the problem
@@ -382,6 +413,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens is {self.max_tokens}; expected a positive integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        # every step checks each one against the output: 100,000 of them would stall the engine for everyone
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop has {len(self.stop)} strings of up to {max(map(len, self.stop))} characters; at "
+                             f"most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS * 16:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_STRINGS * 16}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs is {self.logprobs}; expected 0..{MAX_LOGPROBS} (the most likely tokens to "
                              "return per position)")

@@ -100,16 +100,23 @@ class GrammarCache:
         """[num_rows, ceil(vocab / 32)] int32, every token allowed."""
         return _xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def matcher(self, spec: StructuredOutputParams) -> SequenceGrammar:
+    def compile(self, spec: StructuredOutputParams):
+        """The compiled grammar of `spec`, from the cache or compiled now (any thread may call this: a server
+        compiles before the engine thread admits the request)."""
         key = spec.key
-        if key in self.compiled:
-            self.compiled.move_to_end(key)
-        else:
-            self.compiled[key] = self.compiler.compile_grammar(to_grammar(spec))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.compiler.compile_grammar(to_grammar(spec))
+            self.compiled[key] = compiled
             while len(self.compiled) > self.max_entries:
                 self.compiled.popitem(last=False)  # the least recently used; running matchers keep their own
+        else:
+            self.compiled.move_to_end(key)
+        return compiled
+
+    def matcher(self, spec: StructuredOutputParams) -> SequenceGrammar:
         json_spec = spec.json_schema is not None or spec.json_object
-        return SequenceGrammar(_xgrammar().GrammarMatcher(self.compiled[key]), self, json_spec)
+        return SequenceGrammar(_xgrammar().GrammarMatcher(self.compile(spec)), self, json_spec)
 
 
 class SequenceGrammar:

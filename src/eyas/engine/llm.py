@@ -3,6 +3,7 @@ schedule -> run -> sample -> postprocess (append, stop, free)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -98,6 +99,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars: GrammarCache | None = None  # built on the first structured-output request
+        self._grammars_lock = threading.Lock()
         self.speculative = None
         if speculative_config is not None:
             self.draft = load_draft_for(speculative_config, self.model)
@@ -129,13 +131,18 @@ class LLM:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {self.model.config.vocab_size})")
         seq = Sequence(ids, params)
         if params.structured_output is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_output needs a tokenizer; this checkpoint has none")
-            if self.grammars is None:
-                self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
-            seq.grammar = self.grammars.matcher(params.structured_output)
+            seq.grammar = self.grammar_cache().matcher(params.structured_output)
         self.scheduler.add(seq)
         return seq
+
+    def grammar_cache(self) -> GrammarCache:
+        """The compiled-grammar cache, built on first use (from any thread)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_output needs a tokenizer; this checkpoint has none")
+        with self._grammars_lock:
+            if self.grammars is None:
+                self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self.grammars
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eyas.engine.llm import LLM
-from eyas.serve.cli import MAX_REQUEST_BYTES
+from eyas.serve.cli import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 from eyas.serve.engine import EngineLoop, EngineRequest, Update
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import (
@@ -47,13 +47,15 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 
 
 def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs: bool = False,
-              public_metrics: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> AccessLog:
+              public_metrics: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
+              grammar_timeout: float = GRAMMAR_TIMEOUT_S, max_prompt_tokens: int | None = None) -> AccessLog:
     """The FastAPI app serving `llm` as `model_name`; with `api_key`, /v1/* and /metrics (unless `public_metrics`)
     need `Authorization: Bearer <key>`. `enable_docs` serves /docs, /redoc and /openapi.json (off by default: they
     describe the server to anyone). A request body over `max_request_bytes` is refused (413) without being read
-    whole."""
+    whole. A grammar that takes over `grammar_timeout` seconds to compile, or a prompt over `max_prompt_tokens`
+    (default: the context), is a 400."""
     metrics = ServerMetrics(model_name)
-    engine = EngineLoop(llm, metrics)
+    engine = EngineLoop(llm, metrics, grammar_timeout, max_prompt_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,8 +189,9 @@ async def _parse(request: Request, cls: type[BaseModel], model_name: str, max_by
 
 async def _respond(request: Request, engine: EngineLoop, body, prompt, max_tokens: int | None, kind: str,
                    model_name: str) -> Response:
-    params = body.sampling_params(max_tokens or 1)
-    req = engine.submit(prompt, params, fill_context=max_tokens is None)
+    param = "messages" if kind == "chat.completion" else "prompt"
+    params, ids = await engine.prepare(lambda: body.sampling_params(max_tokens or 1), prompt, param)
+    req = engine.submit(ids, params, fill_context=max_tokens is None, param=param)
     try:
         first = await req.queue.get()  # admitted (an empty Update) or refused (an ApiError)
     except BaseException:
@@ -324,7 +327,8 @@ def serve(args: argparse.Namespace) -> int:
               speculative_config=speculative_config(args), threads=args.threads)
     name = args.served_model_name or Path(args.model).name
     app = build_app(llm, name, api_key=args.api_key, enable_docs=args.enable_docs,
-                    public_metrics=args.public_metrics, max_request_bytes=args.max_request_bytes)
+                    public_metrics=args.public_metrics, max_request_bytes=args.max_request_bytes,
+                    grammar_timeout=args.grammar_timeout, max_prompt_tokens=args.max_prompt_tokens)
     if args.access_log:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))

@@ -12,6 +12,7 @@ from eyas.threads import THREADS_HELP
 # the default request-body cap (a 2,048-token context is a few KB of text); here, not in app.py, so that building
 # the `eyas` parser imports no FastAPI
 MAX_REQUEST_BYTES = 8 * 2**20
+GRAMMAR_TIMEOUT_S = 5.0  # seconds a request's grammar may take to compile
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,6 +44,10 @@ def add_cli(subparsers) -> None:
                    "(it needs the key otherwise)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies are "
                    "refused with 413, read no further than this")
+    p.add_argument("--max-prompt-tokens", type=int, help="longer prompts are refused with 400 (default: the "
+                   "context)")
+    p.add_argument("--grammar-timeout", type=float, default=GRAMMAR_TIMEOUT_S, help="seconds a request's JSON "
+                   "schema or regex may take to compile; past it the request is a 400")
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (they "
                    "describe every route to anyone who can reach the server)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request "

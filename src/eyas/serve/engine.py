@@ -8,6 +8,11 @@ Handlers never touch the LLM. They `submit` a request and read `Update`s from th
 The first item a request receives says whether it was admitted (an empty Update) or refused (an ApiError), so a
 streaming handler knows its status code before it sends headers. An abort is applied between two steps: the
 sequence finishes with reason "abort" and its KV blocks go back to the allocator before the next step runs.
+
+Work whose cost the client controls never runs on the engine thread or the event loop: `prepare` checks the
+sampling values and the grammar's size, compiles the grammar (within `grammar_timeout`), renders the chat template
+and tokenizes, in a small pool of worker threads, before the request is submitted as token ids. One 5 MB prompt
+then costs its own request seconds, not every stream a pause.
 """
 
 from __future__ import annotations
@@ -17,18 +22,21 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from eyas.config import SamplingParams
 from eyas.engine.llm import LLM, PromptTooLong
 from eyas.engine.sampling import TokenLogprobs
 from eyas.engine.sequence import Sequence
+from eyas.serve.cli import GRAMMAR_TIMEOUT_S
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import ApiError, LogprobEntry
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the inbox before checking for shutdown
+PREPARE_WORKERS = 2  # threads that tokenize and compile grammars; requests past them wait their turn
 
 
 @dataclass(slots=True)
@@ -47,6 +55,7 @@ class EngineRequest:
     params: SamplingParams
     fill_context: bool  # no max_tokens given: generate up to the end of the context
     loop: asyncio.AbstractEventLoop
+    param: str = "prompt"  # the request field an error about the prompt names ("prompt" or "messages")
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
@@ -62,9 +71,13 @@ class EngineRequest:
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, metrics: ServerMetrics) -> None:
+    def __init__(self, llm: LLM, metrics: ServerMetrics, grammar_timeout: float = GRAMMAR_TIMEOUT_S,
+                 max_prompt_tokens: int | None = None) -> None:
         self.llm = llm
         self.metrics = metrics
+        self.grammar_timeout = grammar_timeout
+        self.max_prompt_tokens = min(max_prompt_tokens or llm.max_model_len, llm.max_model_len)
+        self.pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="eyas-prepare")
         self.inbox: queue.Queue[tuple[str, EngineRequest]] = queue.Queue()
         self.live: dict[int, EngineRequest] = {}  # seq_id -> request, engine thread only
         self._stopping = threading.Event()
@@ -79,9 +92,53 @@ class EngineLoop:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams, fill_context: bool) -> EngineRequest:
-        req = EngineRequest(prompt, params, fill_context, asyncio.get_running_loop())
+    async def prepare(self, make_params, prompt: str | list[int] | list[dict],
+                      param: str) -> tuple[SamplingParams, list[int]]:
+        """(SamplingParams, prompt token ids) for a request, computed in the worker pool: `make_params()` (the
+        values and the grammar's size checked), the grammar compiled within `grammar_timeout` seconds, the prompt
+        rendered and tokenized and its length checked. Each failure is an ApiError naming the field."""
+        loop = asyncio.get_running_loop()
+
+        def params_and_grammar() -> SamplingParams:
+            params = make_params()
+            if params.structured_output is not None:
+                try:
+                    self.llm.grammar_cache().compile(params.structured_output)
+                except ValueError as e:
+                    raise ApiError(400, str(e), param=param) from e
+            return params
+
+        future = loop.run_in_executor(self.pool, params_and_grammar)
+        try:
+            params = await asyncio.wait_for(asyncio.shield(future), self.grammar_timeout)
+        except asyncio.TimeoutError as e:  # the compile goes on in its worker; its result is cached for later
+            raise ApiError(400, f"the requested grammar took longer than {self.grammar_timeout:g} s to compile "
+                           "(the server's --grammar-timeout); simplify the schema or regex",
+                           param="response_format") from e
+        ids = await loop.run_in_executor(self.pool, self._encode, prompt, param)
+        return params, ids
+
+    def _encode(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
+        try:
+            ids = self.llm.encode(prompt)
+        except Exception as e:  # no tokenizer, or the chat template refused the messages
+            raise ApiError(400, f"{param} could not be tokenized: {e}", param=param) from e
+        if not ids:
+            raise ApiError(400, f"{param} is empty after tokenization", param=param)
+        context = self.llm.max_model_len
+        if len(ids) >= context:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context holds {context} (the prompt "
+                           "plus at least one generated token must fit)", param=param, code="context_length_exceeded")
+        if len(ids) > self.max_prompt_tokens:
+            raise ApiError(400, f"{param} has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens} "
+                           "(--max-prompt-tokens)", param=param, code="context_length_exceeded")
+        return ids
+
+    def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams, fill_context: bool,
+               param: str = "prompt") -> EngineRequest:
+        req = EngineRequest(prompt, params, fill_context, asyncio.get_running_loop(), param)
         self.inbox.put(("add", req))
         return req
 
@@ -138,9 +195,7 @@ class EngineLoop:
 
     def _admit(self, req: EngineRequest) -> Sequence:
         """Encode and check the request; anything wrong with it is a 400 that names the field."""
-        llm, params = self.llm, req.params
-        param = "messages" if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], dict) \
-            else "prompt"
+        llm, params, param = self.llm, req.params, req.param
         try:
             ids = llm.encode(req.prompt)
         except Exception as e:  # no tokenizer, or the chat template refused the messages
