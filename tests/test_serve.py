@@ -249,6 +249,11 @@ BAD = [  # (endpoint, body, param the error names, a word of the message)
     ("chat/completions", {"model": NAME, "messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
      "0..20"),
     ("completions", {"model": NAME, "prompt": "x", "stop_token_ids": [-4]}, "stop_token_ids", "token ids"),
+    ("completions", {"model": NAME, "prompt": "x", "guided_regex": "[^\\s\\S]"}, "guided_regex", "match no output"),
+    ("chat/completions", {"model": NAME, "messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {"type": "string"}}}}},
+     "response_format", "uses not, which"),
+    ("completions", {"model": NAME, "prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop", "at most 64"),
 ]
 
 

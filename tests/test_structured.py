@@ -210,3 +210,21 @@ def test_compiled_grammars_are_an_lru_of_bounded_size():
     assert list(cache.compiled) == [specs[0].key, specs[2].key]
     matcher = cache.matcher(specs[1])  # compiled again when asked for again
     assert len(cache.compiled) == 2 and matcher is not None
+
+
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused():
+    """xgrammar accepts `not`, `if`/`then`, `contains`, `uniqueItems`, ... and ignores them: refused, naming them;
+    a property that happens to be called "not" is no keyword."""
+    for schema, word in [({"not": {"type": "string"}}, "not"),
+                         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+                         ({"type": "object", "properties": {"a": {"if": {"const": 1}, "then": {"const": 2}}}},
+                          "if, then")]:
+        with pytest.raises(ValueError, match=f"uses {word}, which the grammar engine would not enforce"):
+            StructuredOutputParams(json_schema=schema)
+    StructuredOutputParams(json_schema={"type": "object", "properties": {"not": {"type": "string"},
+                                                                          "if": {"type": "integer"}}})
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1001)}}
+    with pytest.raises(ValueError, match="1001 properties"):
+        StructuredOutputParams(json_schema=big)
+    with pytest.raises(ValueError, match="regex is 10001 characters"):
+        StructuredOutputParams(regex="a" * 10_001)

@@ -318,20 +318,36 @@ MAX_SCHEMA_PROPERTIES = 1_000
 MAX_SCHEMA_DEPTH = 32
 
 
-def _schema_size(schema: dict) -> tuple[int, int]:
-    """(properties declared anywhere in a JSON schema, how deep its objects and lists nest), without recursion."""
-    properties, deepest, stack = 0, 0, [(schema, 1)]
+# keywords xgrammar (0.2.x) accepts but does not enforce, measured: a grammar with {"not": {"const": "a"}} still
+# accepts "a"; if/then/else, contains, dependentRequired, dependentSchemas, unevaluated*, uniqueItems leave the
+# compiled grammar unchanged. Output would then break the schema it was promised to follow: refused instead
+UNENFORCED_SCHEMA_KEYWORDS = ("not", "if", "then", "else", "contains", "dependentRequired", "dependentSchemas",
+                              "unevaluatedProperties", "unevaluatedItems", "uniqueItems")
+# keywords whose value maps names to subschemas: the names are not keywords
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _schema_size(schema: dict) -> tuple[int, int, list[str]]:
+    """(properties declared anywhere in a JSON schema, how deep its objects and lists nest, the unenforced keywords
+    it uses), without recursion: the schema comes from a client."""
+    properties, deepest, unenforced = 0, 0, set()
+    stack: list[tuple[Any, int, bool]] = [(schema, 1, False)]  # (node, depth, node maps names to subschemas)
     while stack:
-        node, depth = stack.pop()
+        node, depth, named = stack.pop()
         if isinstance(node, dict):
             deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                continue
+            if named:
+                stack += [(child, depth + 1, False) for child in node.values()]
+                continue
+            unenforced |= {k for k in node if k in UNENFORCED_SCHEMA_KEYWORDS}
             if isinstance(node.get("properties"), dict):
                 properties += len(node["properties"])
-            if depth <= MAX_SCHEMA_DEPTH:
-                stack += [(child, depth + 1) for child in node.values()]
+            stack += [(child, depth + 1, key in _NAMED_SUBSCHEMAS) for key, child in node.items()]
         elif isinstance(node, list) and depth <= MAX_SCHEMA_DEPTH:
-            stack += [(child, depth + 1) for child in node]
-    return properties, deepest
+            stack += [(child, depth + 1, False) for child in node]
+    return properties, deepest, sorted(unenforced)
 
 
 @dataclass(slots=True)
@@ -358,10 +374,13 @@ class StructuredOutputParams:
         if self.regex is not None and len(self.regex) > MAX_REGEX_CHARS:
             raise ValueError(f"structured_output regex is {len(self.regex)} characters; at most {MAX_REGEX_CHARS}")
         if self.json_schema is not None:
-            properties, depth = _schema_size(self.json_schema)
+            properties, depth, unenforced = _schema_size(self.json_schema)
             if properties > MAX_SCHEMA_PROPERTIES or depth > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"structured_output json_schema has {properties} properties nested {depth} deep; "
                                  f"at most {MAX_SCHEMA_PROPERTIES} properties and {MAX_SCHEMA_DEPTH} levels")
+            if unenforced:
+                raise ValueError(f"structured_output json_schema uses {', '.join(unenforced)}, which the grammar "
+                                 "engine would not enforce (the output could break the schema); remove them")
         from eyas.engine.grammar import to_grammar
 
         to_grammar(self)  # raises ValueError naming the problem

@@ -107,6 +107,11 @@ class GrammarCache:
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.compiler.compile_grammar(to_grammar(spec))
+            start = self.new_bitmask(1)
+            _xgrammar().GrammarMatcher(compiled).fill_next_token_bitmask(start, 0)
+            if not start.any():  # no token may begin the output: every request with it would hang or fail
+                what = "regex" if spec.regex is not None else "JSON schema"
+                raise ValueError(f"the {what} can match no output (no token can start it)")
             self.compiled[key] = compiled
             while len(self.compiled) > self.max_entries:
                 self.compiled.popitem(last=False)  # the least recently used; running matchers keep their own

@@ -190,7 +190,8 @@ async def _parse(request: Request, cls: type[BaseModel], model_name: str, max_by
 async def _respond(request: Request, engine: EngineLoop, body, prompt, max_tokens: int | None, kind: str,
                    model_name: str) -> Response:
     param = "messages" if kind == "chat.completion" else "prompt"
-    params, ids = await engine.prepare(lambda: body.sampling_params(max_tokens or 1), prompt, param)
+    grammar_param = "guided_regex" if body.guided_regex is not None else "response_format"
+    params, ids = await engine.prepare(lambda: body.sampling_params(max_tokens or 1), prompt, param, grammar_param)
     req = engine.submit(ids, params, fill_context=max_tokens is None, param=param)
     try:
         first = await req.queue.get()  # admitted (an empty Update) or refused (an ApiError)

@@ -94,8 +94,8 @@ class EngineLoop:
         self._thread.join(timeout=10)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, make_params, prompt: str | list[int] | list[dict],
-                      param: str) -> tuple[SamplingParams, list[int]]:
+    async def prepare(self, make_params, prompt: str | list[int] | list[dict], param: str,
+                      grammar_param: str = "response_format") -> tuple[SamplingParams, list[int]]:
         """(SamplingParams, prompt token ids) for a request, computed in the worker pool: `make_params()` (the
         values and the grammar's size checked), the grammar compiled within `grammar_timeout` seconds, the prompt
         rendered and tokenized and its length checked. Each failure is an ApiError naming the field."""
@@ -107,7 +107,7 @@ class EngineLoop:
                 try:
                     self.llm.grammar_cache().compile(params.structured_output)
                 except ValueError as e:
-                    raise ApiError(400, str(e), param=param) from e
+                    raise ApiError(400, str(e), param=grammar_param) from e
             return params
 
         future = loop.run_in_executor(self.pool, params_and_grammar)
@@ -116,7 +116,7 @@ class EngineLoop:
         except asyncio.TimeoutError as e:  # the compile goes on in its worker; its result is cached for later
             raise ApiError(400, f"the requested grammar took longer than {self.grammar_timeout:g} s to compile "
                            "(the server's --grammar-timeout); simplify the schema or regex",
-                           param="response_format") from e
+                           param=grammar_param) from e
         ids = await loop.run_in_executor(self.pool, self._encode, prompt, param)
         return params, ids
 
