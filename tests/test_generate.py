@@ -226,3 +226,34 @@ def test_stop_strings_given_but_eos_ends_the_text():
     out = llm.generate(["import os\n\n\nclass "], SamplingParams(temperature=0, max_tokens=12, stop=["never seen"]))[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:j + 1]
     assert out.text == llm.tokenizer.decode(free.token_ids[:j + 1], skip_special_tokens=True) != ""
+
+
+@shipped
+def test_stop_strings_are_checked_on_the_last_tokens_only():
+    """The output with a stop string equals the full output cut at its first occurrence, and each check decodes
+    a window of tokens, not the whole output (that was quadratic in the output's length)."""
+    llm = LLM(DEFAULT_MODEL)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    prompt = 'def parse_args(argv):\n    """Parse the command line."""\n'  # an output that does not loop
+    free = llm.generate([prompt], params)[0]
+    # a stop string that first appears late in the output: the last 5 characters at whose position they first occur
+    text = free.text
+    first = max(i for i in range(len(text) - 5) if text.find(text[i:i + 5]) == i)
+    stop = text[first:first + 5]
+    assert first > len(text) // 2
+    decoded: list[int] = []
+    decode = llm.tokenizer.decode
+
+    def counting(ids, **kw):
+        decoded.append(len(ids))
+        return decode(ids, **kw)
+
+    llm.tokenizer.decode = counting
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True,
+                                                    stop=[stop]))[0]
+    finally:
+        llm.tokenizer.decode = decode
+    assert out.finish_reason == "stop" and out.text == free.text[:first]
+    window = 2 * len(stop) + 8
+    assert sum(n > window for n in decoded) <= 2  # the full text only once, on the hit (and for the output)

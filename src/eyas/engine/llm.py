@@ -213,11 +213,18 @@ class LLM:
                 or token in p.stop_token_ids:
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                seq.text = text[:min(hits)]
-                return "stop"
+            # checked after every token, so a stop string that has just appeared ends within the last few tokens:
+            # decode those (a string of n characters spans at most n tokens that print; the margin covers tokens
+            # that print nothing or half a character), and the whole text only on a hit, to cut it there.
+            # Decoding the whole output each token was quadratic in its length
+            window = 2 * max(len(s) for s in p.stop) + 8
+            tail = self.tokenizer.decode(seq.generated_ids[-window:], skip_special_tokens=True)
+            if any(s in tail for s in p.stop):
+                text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+                hits = [text.find(s) for s in p.stop if s in text]
+                if hits:
+                    seq.text = text[:min(hits)]
+                    return "stop"
         if seq.num_generated >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
