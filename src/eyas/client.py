@@ -59,24 +59,23 @@ class ServerClient:
     def chat(self, messages: list[dict], max_tokens: int, temperature: float = 0.0,
              seed: int | None = None) -> ChatResult:
         """One chat completion; the server renders the chat template."""
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "return_token_ids": True}
-        if seed is not None:
-            body["seed"] = seed
-        data = self._request("POST", "/v1/chat/completions", body)
-        choice = data["choices"][0]
-        return ChatResult(choice["message"]["content"] or "", data["usage"]["completion_tokens"],
-                          choice["finish_reason"], choice.get("token_ids"))
+        return self._generate("/v1/chat/completions", {"messages": messages}, max_tokens, temperature, seed)
 
     def completion(self, prompt: str, max_tokens: int, temperature: float = 0.0,
                    seed: int | None = None) -> ChatResult:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+        """One text completion of a raw prompt."""
+        return self._generate("/v1/completions", {"prompt": prompt}, max_tokens, temperature, seed)
+
+    def _generate(self, path: str, prompt: dict, max_tokens: int, temperature: float,
+                  seed: int | None) -> ChatResult:
+        body = {"model": self.model, **prompt, "max_tokens": max_tokens, "temperature": temperature,
                 "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        data = self._request("POST", "/v1/completions", body)
+        data = self._request("POST", path, body)
         choice = data["choices"][0]
-        return ChatResult(choice["text"], data["usage"]["completion_tokens"], choice["finish_reason"],
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return ChatResult(text or "", data["usage"]["completion_tokens"], choice["finish_reason"],
                           choice.get("token_ids"))
 
     def spec_counters(self) -> dict[str, float]:
