@@ -194,18 +194,11 @@ class EngineLoop:
         req.deliver(Update("", [], req.seq.num_prompt_tokens, 0))
 
     def _admit(self, req: EngineRequest) -> Sequence:
-        """Encode and check the request; anything wrong with it is a 400 that names the field."""
+        """Check the request against the engine's state; anything wrong with it is a 400 that names the field.
+        A prepared request arrives as token ids, so `_encode` here only re-checks their length."""
         llm, params, param = self.llm, req.params, req.param
-        try:
-            ids = llm.encode(req.prompt)
-        except Exception as e:  # no tokenizer, or the chat template refused the messages
-            raise ApiError(400, f"{param} could not be tokenized: {e}", param=param) from e
+        ids = self._encode(req.prompt, param)
         context = llm.max_model_len
-        if not ids:
-            raise ApiError(400, f"{param} is empty after tokenization", param=param)
-        if len(ids) >= context:
-            raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context holds {context} (the prompt "
-                           "plus at least one generated token must fit)", param=param, code="context_length_exceeded")
         allocator = llm.allocator
         if req.fill_context:  # up to the end of the context, or of the KV cache if that is smaller
             capacity = allocator.num_blocks * allocator.block_size - self._draft_slack
