@@ -443,3 +443,16 @@ def test_runs_cannot_trample_each_other_and_a_cut_checkpoint_falls_back(setup, t
     after = read_log(root / "fallback" / "train_log.jsonl")
     assert [r["step"] for r in after] == list(range(1, 7))
     assert [r["loss"] for r in after[:4]] == [r["loss"] for r in before]  # steps 3 and 4 ran again, the same
+
+
+def test_eval_every_logs_the_acceptance_length_and_plots_it(setup, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "code", "prompt": "def add_3(a, b):\n"}) + "\n"
+                       + json.dumps({"category": "chat", "turns": ["def add_5(a, b):"]}) + "\n")
+    train(config(setup, "evaluated", max_steps=4, eval_every=2, eval_prompts=str(prompts), eval_num_prompts=2,
+                 eval_max_new_tokens=6))
+    out = setup[0] / "evaluated"
+    measured = {r["step"]: r["eval_acceptance_length"] for r in read_log(out / "train_log.jsonl")
+                if "eval_acceptance_length" in r}
+    assert sorted(measured) == [2, 4] and all(1.0 <= al <= 4.0 for al in measured.values())
+    assert (out / "train_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
