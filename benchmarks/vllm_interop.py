@@ -42,11 +42,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from eyas.client import SPEC_COUNTERS
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "examples" / "tiny-deepseek-v3"
 DRAFT = REPO / "examples" / "tiny-deepseek-v3-eagle3-mla"
 PROMPTS = REPO / "examples" / "prompts" / "eval.jsonl"
-COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,11 +91,10 @@ def prompt_ids(num: int) -> list[list[int]]:
     """The first `num` held-out prompts, spread over the file's categories, as token ids (chat rendered by the
     target's template), so both engines see exactly the same input."""
     from eyas.engine.llm import load_tokenizer
-    from eyas.eval.acceptance import read_prompts
+    from eyas.eval.acceptance import read_prompts, spread
 
     tokenizer = load_tokenizer(TARGET)
-    records = read_prompts(PROMPTS)
-    records = records[::max(1, len(records) // num)][:num]
+    records = spread(read_prompts(PROMPTS), num)
     out = []
     for r in records:
         if r["prompt"] is not None:
@@ -167,15 +167,9 @@ def stop(server: subprocess.Popen) -> None:
 
 
 def counters(url: str) -> dict[str, float]:
-    """The spec-decode counters of vLLM's /metrics (a counter may carry prometheus' _total suffix)."""
-    values: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
-        if name in COUNTERS:
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
+    from eyas.client import parse_spec_counters
+
+    return parse_spec_counters(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def complete(url: str, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
@@ -199,7 +193,7 @@ def vllm_side(draft: Path, prompts: list[list[int]], args: argparse.Namespace, w
         after = counters(url)
     finally:
         stop(server)
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
     server, url = start_vllm(args, None, work / "vllm-plain.log")
     try:
         plain = complete(url, prompts, args)

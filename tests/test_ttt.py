@@ -94,17 +94,23 @@ def test_ttt_steps_equal_the_engines_draft_chain(target, arch):
                 assert (ttt[k][0, start] - engine[k]).abs().max().item() < 1e-4, (start, k)
 
 
+def loss_batch(B, T, seed=3):
+    """Token ids, a loss mask whose second row starts with a 6-token prompt, aux states, and the generator that
+    drew them (for more draws in the same order)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[1, :6] = 0
+    return ids, mask, torch.randn(B, T, 3, 32, generator=g), g
+
+
 @pytest.mark.parametrize("draft_vocab", [40, 3])
 def test_loss_is_soft_cross_entropy_over_the_draft_vocab(target, draft_vocab):
     """Loss sums, counts and accuracy counts against a per-row loop. With 3 draft tokens, favoured by the target,
     the draft's argmax often matches: the accuracy count is tested on matches, not only on zeros."""
     draft = make_draft(target, "mha", draft_vocab=draft_vocab)
-    g = torch.Generator().manual_seed(3)
     B, T = 2, 10
-    ids = torch.randint(0, 96, (B, T), generator=g)
-    mask = torch.ones(B, T)
-    mask[1, :6] = 0
-    aux = torch.randn(B, T, 3, 32, generator=g)
+    ids, mask, aux, g = loss_batch(B, T)
     kept = torch.arange(draft_vocab) + draft.d2t
     target_logits = torch.randn(B, T, 96, generator=g)
     if draft_vocab < 10:
@@ -200,12 +206,8 @@ def test_acceptance_aware_losses_against_a_per_row_loop(target, kind):
     from eyas.train.ttt import LossKind
 
     draft = make_draft(target, "mha", draft_vocab=40)
-    g = torch.Generator().manual_seed(3)
     B, T = 2, 10
-    ids = torch.randint(0, 96, (B, T), generator=g)
-    mask = torch.ones(B, T)
-    mask[1, :6] = 0
-    aux = torch.randn(B, T, 3, 32, generator=g)
+    ids, mask, aux, g = loss_batch(B, T)
     kept = torch.arange(40) + draft.d2t
     target_logits = torch.randn(B, T, 96, generator=g) * 2
     loss = LossKind(kind, lambda_scale=0.8, lambda_decay=2.0)

@@ -185,9 +185,8 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], conc
 
 # -- the server's counters ------------------------------------------------------------------------------------------
 
-SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
-                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-                 "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "accepted": "vllm:spec_decode_num_accepted_tokens"}
 
 
 def spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
@@ -199,15 +198,10 @@ def spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float]
         text = httpx.get(base_url + "/metrics", timeout=10, headers=headers).text
     except httpx.HTTPError:
         return None
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{")[0]
-        for key, metric in SPEC_COUNTERS.items():
-            if name == metric:
-                totals[key] = totals.get(key, 0.0) + float(value)
+    from eyas.client import parse_spec_counters
+
+    counters = parse_spec_counters(text)
+    totals = {key: counters[metric] for key, metric in SPEC_COUNTERS.items() if metric in counters}
     return totals if len(totals) == len(SPEC_COUNTERS) else None
 
 

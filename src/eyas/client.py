@@ -16,6 +16,23 @@ PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 RETRIED_STATUSES = (429, 500, 502, 503, 504)
 
 
+def parse_spec_counters(text: str) -> dict[str, float]:
+    """The speculative-decoding counters of a Prometheus /metrics text, summed over label sets, by vLLM's names (the
+    per-position one under "per_pos:K" for position K); {} when the server has none."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+        value = float(line.rsplit(" ", 1)[1])
+        if name in SPEC_COUNTERS:
+            values[name] = values.get(name, 0.0) + value
+        elif name == PER_POSITION and 'position="' in line:
+            key = "per_pos:" + line.split('position="', 1)[1].split('"', 1)[0]
+            values[key] = values.get(key, 0.0) + value
+    return values
+
+
 class ServerError(ValueError):
     """A server that refused, failed or could not be reached, naming the URL and what happened."""
 
@@ -79,20 +96,8 @@ class ServerClient:
                           choice.get("token_ids"))
 
     def spec_counters(self) -> dict[str, float]:
-        """The speculative-decoding counters of /metrics, summed over label sets (the per-position one under
-        "per_pos:K" for position K); {} when the server has none."""
-        values: dict[str, float] = {}
-        for line in self._request("GET", "/metrics").splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
-            value = float(line.rsplit(" ", 1)[1])
-            if name in SPEC_COUNTERS:
-                values[name] = values.get(name, 0.0) + value
-            elif name == PER_POSITION and 'position="' in line:
-                key = "per_pos:" + line.split('position="', 1)[1].split('"', 1)[0]
-                values[key] = values.get(key, 0.0) + value
-        return values
+        """The speculative-decoding counters of the server's /metrics (see parse_spec_counters)."""
+        return parse_spec_counters(self._request("GET", "/metrics"))
 
     def close(self) -> None:
         self.http.close()

@@ -25,6 +25,11 @@ from eyas.config import SamplingParams
 from eyas.threads import THREADS_HELP
 
 
+def spread(records: list[dict], n: int) -> list[dict]:
+    """`n` records taken at even strides over the file (its categories come in blocks)."""
+    return records[::max(1, len(records) // n)][:n]
+
+
 def read_prompts(path: Path) -> list[dict]:
     from eyas.train.data import iter_records
 
@@ -136,13 +141,8 @@ def evaluate_by_server(client, records: list[dict], params: SamplingParams) -> d
                 counts[key]["returned"] += max(0, out.num_generated - 1)
                 if not repetitive:
                     _add(counts[key]["non_repetitive"], out)
-    report = {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
-              "overall": _summary(counts["overall"])}
-    for summary, c in [(report["overall"], counts["overall"])] + [(report["categories"][k], counts[k])
-                                                                   for k in report["categories"]]:
-        steps = c["verify_steps"]
-        summary["acceptance_length_returned"] = round(c["returned"] / steps, 4) if steps else 1.0
-    return report
+    return {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
+            "overall": _summary(counts["overall"])}
 
 
 def _totals() -> dict:
@@ -171,6 +171,8 @@ def _summary(c: dict) -> dict:
         summary["repetitive_outputs"] = c["requests"] - other["requests"]
         summary["repetitive_share"] = round(summary["repetitive_outputs"] / c["requests"], 4) if c["requests"] else 0.0
         summary["acceptance_length_non_repetitive"] = other["acceptance_length"]
+    if "returned" in c:  # tokens a server returned after each response's first
+        summary["acceptance_length_returned"] = round(c["returned"] / steps, 4) if steps else 1.0
     return summary
 
 
@@ -295,24 +297,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     spec.disable_batch_size = args.speculative_disable_batch_size or None  # acceptance is measured: draft always
     records = read_prompts(args.prompts)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec, threads=args.threads)
-    params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
-                            max_tokens=args.max_new_tokens)
+    params = _params(args)
     report = evaluate(llm, records, params)
     if args.speed_prompts > 0:
-        sample = records[::max(1, len(records) // args.speed_prompts)][:args.speed_prompts]
-        report["speed"] = speed_against_plain(llm, [r["prompt"] if r["prompt"] is not None else
-                                                    [{"role": "user", "content": r["turns"][0]}] for r in sample],
-                                              params)
+        first_turns = [r["prompt"] if r["prompt"] is not None else [{"role": "user", "content": r["turns"][0]}]
+                       for r in spread(records, args.speed_prompts)]
+        report["speed"] = speed_against_plain(llm, first_turns, params)
     report["settings"] = {"model": str(args.model), "method": spec.method, "draft_model": spec.draft_model,
                           "num_speculative_tokens": spec.num_speculative_tokens,
                           "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
                           "prompts": str(args.prompts)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        plot_report(report, args.out.with_suffix(".png"), draft_title(spec, args.model))
+    _write_report(report, args.out, draft_title(spec, args.model))
     overall = report["overall"]
     repetitive = overall["repetitive_outputs"]
     line = (f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests "
@@ -335,22 +330,30 @@ def _eval_by_server(args: argparse.Namespace) -> int:
 
     records = read_prompts(args.prompts)
     client = ServerClient(args.server, args.served_model_name, args.api_key)
-    params = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
-                            max_tokens=args.max_new_tokens)
     try:
-        report = evaluate_by_server(client, records, params)
+        report = evaluate_by_server(client, records, _params(args))
     finally:
         client.close()
     report["settings"] = {"server": args.server, "model": client.model, "temperature": args.temperature,
                           "max_new_tokens": args.max_new_tokens, "prompts": str(args.prompts)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        plot_report(report, args.out.with_suffix(".png"), f"{client.model} served at {args.server}")
+    _write_report(report, args.out, f"{client.model} served at {args.server}")
     overall = report["overall"]
     print(f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests (from the "
           f"tokens returned: {overall['acceptance_length_returned']:.2f}; "
           f"{overall['acceptance_length_non_repetitive']:.2f} over the non-repetitive outputs)", file=sys.stderr)
     return 0
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None,
+                          max_tokens=args.max_new_tokens)
+
+
+def _write_report(report: dict, out: Path | None, title: str) -> None:
+    """The report as JSON on stdout and, with `out`, in that file with its plot beside it."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        plot_report(report, out.with_suffix(".png"), title)

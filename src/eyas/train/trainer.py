@@ -516,11 +516,10 @@ def measure_acceptance(cfg: TrainConfig, draft: Eagle3Draft, device: torch.devic
 
     from eyas.config import SamplingParams, SpeculativeConfig
     from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, LLM
-    from eyas.eval.acceptance import evaluate, read_prompts
+    from eyas.eval.acceptance import evaluate, read_prompts, spread
     from eyas.export import save_draft
 
-    records = read_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS))
-    records = records[::max(1, len(records) // cfg.eval_num_prompts)][:cfg.eval_num_prompts]
+    records = spread(read_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS)), cfg.eval_num_prompts)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-draft-") as tmp:
         save_draft(draft, Path(tmp), fmt="eyas")
         llm = LLM(cfg.target, device=str(device), max_num_seqs=len(records), threads=cfg.threads,
