@@ -11,7 +11,9 @@ Dump layout (``OUT_DIR``):
         input_ids [N] int64, loss_mask [N] uint8, offsets [num_examples + 1] int64 (example j is rows
         offsets[j]:offsets[j + 1]), aux_hidden_states [N, n_aux, H], last_hidden [N, H]
 A dump is resumable: shards are written to a temporary name and renamed, and the manifest lists only shards that
-are complete, so a rerun after a crash writes the missing ones.
+are complete, so a rerun after a crash writes the missing ones. `eyas import-hidden-states` (eyas.train.import_dumps)
+writes the same layout from other tools' dumps through `write_shards`; a dump whose last hidden state is already
+past the final norm says so in its manifest (``last_hidden_post_norm``), and the trainer then skips the norm.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,7 @@ from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.data import Example
 
 if TYPE_CHECKING:
+    from eyas.config import DeepseekV3Config
     from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 log = logging.getLogger("eyas")
@@ -73,11 +76,11 @@ def capture_hidden_states(target: DeepseekV3ForCausalLM, input_ids: torch.Tensor
 
 # -- writing -----------------------------------------------------------------------------------------------------
 
-def target_fingerprint(target: DeepseekV3ForCausalLM, target_path: str | Path | None) -> str:
+def target_fingerprint(config: DeepseekV3Config, target_path: str | Path | None) -> str:
     """sha256 of the target's config.json; of its config as eyas writes it when no directory is known."""
     if target_path is not None and (Path(target_path) / "config.json").is_file():
         return "sha256:" + hashlib.sha256((Path(target_path) / "config.json").read_bytes()).hexdigest()
-    canonical = json.dumps(target.config.to_hf(), sort_keys=True).encode()
+    canonical = json.dumps(config.to_hf(), sort_keys=True).encode()
     return "sha256-config:" + hashlib.sha256(canonical).hexdigest()
 
 
@@ -116,15 +119,22 @@ def read_manifest(directory: str | Path) -> dict:
     return manifest
 
 
-# fields a resumed dump must share with the one it continues: any difference would mix two datasets in one dump
+# fields a resumed dump must share with the one it continues: any difference would mix two datasets in one dump.
+# `source` is what an imported dump was converted from (absent in dump-hidden-states' own).
 RESUME_FIELDS = ("target_fingerprint", "aux_hidden_state_ids", "num_examples", "data_fingerprint", "dtype",
-                 "examples_per_shard", "hidden_size")
+                 "examples_per_shard", "hidden_size", "last_hidden_post_norm", "source")
+# what a manifest written before a field existed meant by leaving it out
+FIELD_DEFAULTS = {"last_hidden_post_norm": False}
 
 
 def _check_resumable(old: dict, new: dict, path: Path) -> None:
+    def value(manifest: dict, key: str):
+        if key == "target_fingerprint":
+            return manifest["target"].get("fingerprint")
+        return manifest.get(key, FIELD_DEFAULTS.get(key))
+
     for key in RESUME_FIELDS:
-        old_value = old["target"].get("fingerprint") if key == "target_fingerprint" else old.get(key)
-        new_value = new["target"].get("fingerprint") if key == "target_fingerprint" else new.get(key)
+        old_value, new_value = value(old, key), value(new, key)
         if old_value != new_value:
             raise HiddenStateError(f"{path}: this directory holds a dump with {key} = {old_value!r}, this run has "
                                    f"{new_value!r}; refusing to mix them (use another OUT_DIR, or delete it)")
@@ -150,6 +160,12 @@ def _shard_tensors(target, examples: Sequence[Example], aux_ids: tuple[int, ...]
             aux_rows[j] = aux[row, :n].to(device="cpu", dtype=dtype)
             last_rows[j] = last[row, :n].to(device="cpu", dtype=dtype)
             progress.update(n)
+    return pack_shard(examples, aux_rows, last_rows)
+
+
+def pack_shard(examples: Sequence[Example], aux_rows: Sequence[torch.Tensor],
+               last_rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One shard's tensors from its examples and each example's aux [T, n_aux, H] and last hidden [T, H] rows."""
     lengths = torch.tensor([len(ex.input_ids) for ex in examples], dtype=torch.int64)
     return {
         "input_ids": torch.tensor([t for ex in examples for t in ex.input_ids], dtype=torch.int64),
@@ -171,9 +187,7 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
     shards (to split a long dump over several runs). Aux ids are fused in ascending layer order, as every
     engine captures them.
     """
-    out_dir = Path(out_dir)
     config = target.config
-    L = config.num_hidden_layers
     aux_ids = tuple(sorted(int(i) for i in aux_hidden_state_ids))
     if len(set(aux_ids)) != len(aux_ids) or not aux_ids:
         raise ValueError(f"aux hidden state ids {list(aux_hidden_state_ids)} must be distinct and non-empty")
@@ -191,22 +205,48 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
         if len(ex.loss_mask) != len(ex.input_ids):
             raise ValueError(f"example {n}: loss_mask has {len(ex.loss_mask)} entries for {len(ex.input_ids)} tokens")
 
-    num_shards = math.ceil(len(examples) / examples_per_shard)
-    manifest = {
+    manifest = new_manifest(config, target_path, examples, aux_ids, dtype_name, examples_per_shard)
+
+    def shard(first: int, last: int, progress: tqdm) -> dict[str, torch.Tensor]:
+        return _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
+
+    return write_shards(out_dir, manifest, shard, max_shards)
+
+
+def new_manifest(config: DeepseekV3Config, target_path: str | Path | None, examples: Sequence[Example],
+                 aux_ids: tuple[int, ...], dtype_name: str, examples_per_shard: int,
+                 last_hidden_post_norm: bool = False) -> dict:
+    """The manifest of a dump of `examples` that has no shard yet."""
+    L = config.num_hidden_layers
+    note = ("the last layer's output after the final norm; logits = lm_head(last_hidden)" if last_hidden_post_norm
+            else "pre-final-norm output of the last layer; logits = lm_head(norm(last_hidden))")
+    return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "target": {"path": str(target_path) if target_path is not None else None,
-                   "fingerprint": target_fingerprint(target, target_path)},
+                   "fingerprint": target_fingerprint(config, target_path)},
         "aux_hidden_state_ids": list(aux_ids), "aux_convention": "hidden_states",
-        "last_hidden_state_id": L, "last_hidden_note": "pre-final-norm output of the last layer; logits = "
-        "lm_head(norm(last_hidden))",
+        "last_hidden_state_id": L, "last_hidden_post_norm": last_hidden_post_norm, "last_hidden_note": note,
         "num_hidden_layers": L, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
         "dtype": dtype_name, "examples_per_shard": examples_per_shard,
         "num_examples": len(examples), "total_tokens": sum(len(ex.input_ids) for ex in examples),
         "total_loss_tokens": sum(ex.num_loss_tokens for ex in examples),
-        "data_fingerprint": data_fingerprint(examples), "num_shards": num_shards,
+        "data_fingerprint": data_fingerprint(examples),
+        "num_shards": math.ceil(len(examples) / examples_per_shard),
         "shards": [], "complete": False,
     }
 
+
+def write_shards(out_dir: str | Path, manifest: dict,
+                 shard_tensors: Callable[[int, int, tqdm], dict[str, torch.Tensor]],
+                 max_shards: int | None = None) -> dict:
+    """Write the shards `manifest` (from `new_manifest`, maybe with more fields) describes into `out_dir`; returns
+    the manifest as written. Shard k holds examples [first, last) and is `shard_tensors(first, last, progress)`.
+
+    Resumable: shards already listed complete in `out_dir`'s manifest are kept; a manifest that differs in a
+    RESUME_FIELDS field is refused. `max_shards` stops after writing that many shards."""
+    out_dir = Path(out_dir)
+    num_shards, examples_per_shard = manifest["num_shards"], manifest["examples_per_shard"]
+    num_examples = manifest["num_examples"]
     manifest_path = out_dir / MANIFEST
     done: dict[str, dict] = {}
     if manifest_path.exists():
@@ -235,8 +275,8 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
                 continue
             if max_shards is not None and written >= max_shards:
                 break
-            first, last = k * examples_per_shard, min(len(examples), (k + 1) * examples_per_shard)
-            tensors = _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
+            first, last = k * examples_per_shard, min(num_examples, (k + 1) * examples_per_shard)
+            tensors = shard_tensors(first, last, progress)
             tmp = out_dir / (name + ".tmp")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
             tmp.chmod(0o644)  # safetensors creates files owner-only
@@ -256,7 +296,9 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
 class HiddenStateShards:
     """The examples of a dump, read lazily: a shard is opened (memory-mapped) when one of its examples is first
     asked for, and at most `max_open` shards stay open. Item i is a dict of input_ids LongTensor [T], loss_mask
-    FloatTensor [T], aux_hidden_states [T, n_aux, H] and last_hidden [T, H] (in the dump's dtype)."""
+    FloatTensor [T], aux_hidden_states [T, n_aux, H] and last_hidden [T, H] (in the dump's dtype).
+    `last_hidden_post_norm` says whether last_hidden is already past the target's final norm (an imported dump
+    whose tool stored it so) or before it (eyas's own dumps)."""
 
     def __init__(self, directory: str | Path, max_open: int = 2) -> None:
         self.directory = Path(directory)
@@ -276,6 +318,10 @@ class HiddenStateShards:
         if expected != m["num_examples"]:
             raise HiddenStateError(f"{self.directory / MANIFEST}: shards hold {expected} examples, num_examples is "
                                    f"{m['num_examples']}")
+        self.last_hidden_post_norm = m.get("last_hidden_post_norm", FIELD_DEFAULTS["last_hidden_post_norm"])
+        if not isinstance(self.last_hidden_post_norm, bool):
+            raise HiddenStateError(f"{self.directory / MANIFEST}: field 'last_hidden_post_norm' is "
+                                   f"{self.last_hidden_post_norm!r}; expected true or false")
         self._starts = [s["first_example"] for s in self.shards]
         self.max_open = max(1, max_open)
         self._open: OrderedDict[int, tuple] = OrderedDict()  # shard index -> (safe_open handle, offsets list)

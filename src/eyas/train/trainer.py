@@ -203,11 +203,14 @@ def collate(items: list[dict], max_length: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...]):
+def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...],
+                    last_hidden_post_norm: bool = False):
     """(aux [B, T, n_aux, H], target logits [R, vocab]) from a dumped batch or by running the target.
 
     Logits only at the R positions a loss reads (`read_positions`, row-major): in chat data the prompts and the
-    padding are many positions, and the vocab-wide head is the target's largest matmul."""
+    padding are many positions, and the vocab-wide head is the target's largest matmul. A dump whose last hidden
+    state is already past the final norm (`last_hidden_post_norm`, from its manifest: some tools store it so)
+    goes straight to the head; normed twice, the teacher would be another distribution."""
     if "aux_hidden_states" in batch:
         aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
         last = batch["last_hidden"].to(target.lm_head.weight.dtype)
@@ -215,8 +218,10 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
         from eyas.train.hidden_states import capture_hidden_states
 
         aux, last = capture_hidden_states(target, batch["input_ids"], aux_ids)
+        last_hidden_post_norm = False  # captured here: before the norm
     read = read_positions(batch["loss_mask"].to(last.device))
-    return aux, target.compute_logits(target.model.norm(last[read]))
+    normed = last[read] if last_hidden_post_norm else target.model.norm(last[read])
+    return aux, target.compute_logits(normed)
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------
@@ -284,6 +289,7 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
 
         data = HiddenStateShards(cfg.hidden_states)
         aux_ids = tuple(data.manifest["aux_hidden_state_ids"])
+        last_hidden_post_norm = data.last_hidden_post_norm
         examples = data
     else:
         from eyas.train.data import load_dataset
@@ -293,6 +299,7 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
         aux_ids = to_hidden_state_ids(raw_ids, AuxConvention(cfg.aux_layer_convention), L)
         loaded = load_dataset(cfg.data, tokenizer, cfg.max_length)
         examples = [{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in loaded]
+        last_hidden_post_norm = False
     if len(examples) < cfg.batch_size:
         raise ValueError(f"{len(examples)} training examples are fewer than one batch of {cfg.batch_size}")
 
@@ -377,7 +384,7 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
                 group["lr"] = lr_at(step)
             indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
             batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
-            aux, target_logits = target_features(target, batch, aux_ids)
+            aux, target_logits = target_features(target, batch, aux_ids, last_hidden_post_norm)
             with cfg.autocast(device):
                 result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
                                  cfg.loss_decay, loss_kind)
