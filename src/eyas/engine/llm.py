@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from eyas.checkpoint import load_model
 from eyas.config import SamplingParams, SpeculativeConfig
+from eyas.engine.chat import encode_chat
 from eyas.engine.grammar import GrammarCache, apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
@@ -109,14 +110,14 @@ class LLM:
 
     # -- requests ------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """Token ids of a text prompt, a list of ids, or chat messages (rendered by the tokenizer's template)."""
+        """Token ids of a text prompt, a list of ids, or chat messages (rendered by the tokenizer's template; a
+        control token's text typed in a message's content stays plain text, see `encode_chat`)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer; pass token ids")
         if isinstance(prompt, list):
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return encode_chat(self.tokenizer, prompt)
         return self.tokenizer(prompt).input_ids
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams) -> Sequence:

@@ -41,7 +41,6 @@ from eyas.serve.protocol import (
     validation_error,
 )
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a few levels (messages -> parts, schemas a few more)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -126,7 +125,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
 
 class AccessLog:
     """One log line per request once its response has ended (streams included): client, method, route, status,
-    prompt + generated tokens, seconds. Written to the "eyas.access" logger."""
+    prompt + generated tokens, seconds, and "client disconnected" when the client left before the end (one line,
+    never a traceback). Written to the "eyas.access" logger."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
@@ -147,9 +147,10 @@ class AccessLog:
         finally:
             usage = scope.get("state", {}).get("usage")
             tokens = f" {usage[0]}+{usage[1]} tokens" if usage else ""
+            gone = " client disconnected" if scope.get("state", {}).get("client_gone") else ""
             client = scope.get("client") or ("-", 0)
-            ACCESS_LOG.info('%s "%s %s" %s%s %.3fs', client[0], scope["method"], scope["path"], status[0] or "-",
-                            tokens, time.perf_counter() - start)
+            ACCESS_LOG.info('%s "%s %s" %s%s %.3fs%s', client[0], scope["method"], scope["path"], status[0] or "-",
+                            tokens, time.perf_counter() - start, gone)
 
 
 ACCESS_LOG = logging.getLogger("eyas.access")
@@ -191,8 +192,22 @@ async def _respond(request: Request, engine: EngineLoop, body, prompt, max_token
                    model_name: str) -> Response:
     param = "messages" if kind == "chat.completion" else "prompt"
     grammar_param = "guided_regex" if body.guided_regex is not None else "response_format"
-    params, ids = await engine.prepare(lambda: body.sampling_params(max_tokens or 1), prompt, param, grammar_param)
-    req = engine.submit(ids, params, fill_context=max_tokens is None, param=param)
+    client = ClientWatch(request, engine)
+    try:
+        return await _run(request, engine, client, body, prompt, max_tokens, kind, model_name, param, grammar_param)
+    except BaseException:  # refused: the response is the error, not a client leaving
+        client.stop()
+        raise
+
+
+async def _run(request: Request, engine: EngineLoop, client: ClientWatch, body, prompt, max_tokens: int | None,
+               kind: str, model_name: str, param: str, grammar_param: str) -> Response:
+    prepared = await client.unless_gone(
+        engine.prepare(lambda: body.sampling_params(max_tokens or 1), prompt, param, grammar_param))
+    if client.gone.is_set():  # gave up while its prompt was tokenized or its grammar compiled: never submitted
+        return Response(status_code=499)
+    params, ids = prepared
+    req = client.req = engine.submit(ids, params, fill_context=max_tokens is None, param=param)
     try:
         first = await req.queue.get()  # admitted (an empty Update) or refused (an ApiError)
     except BaseException:
@@ -200,8 +215,10 @@ async def _respond(request: Request, engine: EngineLoop, body, prompt, max_token
         raise
     if isinstance(first, ApiError):
         raise first
+    if client.gone.is_set():
+        return Response(status_code=499)
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
-    updates = _updates(request, engine, req)
+    updates = _updates(request, engine, req, client)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _EventStream(_sse(updates, rid, kind, model_name, first, include_usage, body.return_token_ids),
@@ -218,6 +235,45 @@ async def _respond(request: Request, engine: EngineLoop, body, prompt, max_token
     return JSONResponse(make(rid, model_name, "".join(text), last.finish_reason, last.num_prompt_tokens,
                              last.num_generated, token_ids if body.return_token_ids else None,
                              logprobs if params.logprobs is not None else None))
+
+
+class ClientWatch:
+    """Notices at once that a request's client went away (the ASGI `http.disconnect` message, read by a task from
+    the moment the body has been read), whether the request is being prepared, waits for a slot or is running: its
+    sequence is aborted then, so a client that gives up before its first token never costs a prefill, and one
+    that leaves mid-response frees its KV blocks before the next step. The access log marks such a request."""
+
+    def __init__(self, request: Request, engine: EngineLoop) -> None:
+        self.request, self.engine = request, engine
+        self.gone = asyncio.Event()
+        self.req: EngineRequest | None = None
+        self.finished = False  # the request's last update was read: a disconnect after it is the normal end
+        self.task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass  # ASGI servers also report the end of a completed response as a disconnect
+        if self.finished:
+            return
+        self.gone.set()
+        self.request.state.client_gone = True  # for the access log
+        if self.req is not None:
+            self.engine.abort(self.req)
+
+    def stop(self) -> None:
+        self.finished = True
+        self.task.cancel()
+
+    async def unless_gone(self, work):
+        """`await work`, or None as soon as the client is gone (the work is cancelled)."""
+        work = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(self.gone.wait())
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            return None
+        return work.result()
 
 
 def _json_depth(value) -> int:
@@ -247,25 +303,21 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _updates(request: Request, engine: EngineLoop, req: EngineRequest) -> AsyncIterator[Update]:
-    """The request's updates until it finishes. A client that goes away aborts it; so does anything that stops
-    this generator early (the streaming response being cancelled on disconnect)."""
-    last_check = time.monotonic()
+async def _updates(request: Request, engine: EngineLoop, req: EngineRequest,
+                   client: ClientWatch) -> AsyncIterator[Update]:
+    """The request's updates until it finishes; none after an abort (the client went away, or the server stops).
+    Anything that stops this generator early (the streaming response cancelled on disconnect) aborts the request."""
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(req.queue.get(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                item = None
-            if time.monotonic() - last_check >= DISCONNECT_POLL_S:
-                last_check = time.monotonic()
-                if await request.is_disconnected():
-                    return
-            if item is None:
-                continue
+            item = await req.queue.get()
             if isinstance(item, ApiError):
+                client.finished = True
                 raise item
+            if item.finish_reason == "abort":
+                return
             request.state.usage = (item.num_prompt_tokens, item.num_generated)  # for the access log
+            if item.finish_reason is not None:
+                client.finished = True
             yield item
             if item.finish_reason is not None:
                 return

@@ -7,7 +7,9 @@ Handlers never touch the LLM. They `submit` a request and read `Update`s from th
 
 The first item a request receives says whether it was admitted (an empty Update) or refused (an ApiError), so a
 streaming handler knows its status code before it sends headers. An abort is applied between two steps: the
-sequence finishes with reason "abort" and its KV blocks go back to the allocator before the next step runs.
+sequence finishes with reason "abort", its KV blocks go back to the allocator before the next step runs, and the
+request receives a last Update with finish_reason "abort". A request added and aborted between two steps never
+runs: a client that gives up before its first token costs no prefill.
 
 Work whose cost the client controls never runs on the engine thread or the event loop: `prepare` checks the
 sampling values and the grammar's size, compiles the grammar (within `grammar_timeout`), renders the chat template
@@ -45,7 +47,7 @@ class Update:
     token_ids: list[int]  # tokens new since the previous update
     num_prompt_tokens: int
     num_generated: int  # all generated tokens so far
-    finish_reason: str | None = None  # "stop" | "length" on the last update
+    finish_reason: str | None = None  # "stop" | "length" on the last update; "abort" when cancelled
     logprobs: list[LogprobEntry] | None = None  # for the new tokens, when the request asked for them
 
 
@@ -162,7 +164,7 @@ class EngineLoop:
                     self._finish(req, "abort")
                     req.deliver(ApiError(500, f"engine step failed: {type(e).__name__}: {e}"))
         for req in list(self.live.values()):
-            self._finish(req, "abort")
+            self._cancel(req)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -174,7 +176,7 @@ class EngineLoop:
             if kind == "add":
                 self._add(req)
             elif req.seq is not None and req.seq.seq_id in self.live:
-                self._finish(req, "abort")
+                self._cancel(req)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -261,6 +263,12 @@ class EngineLoop:
         if stops:
             text = text[:len(text) - (max(len(s) for s in stops) - 1)]
         return text.rstrip("\ufffd")
+
+    def _cancel(self, req: EngineRequest) -> None:
+        """Abort a live request and tell its handler, which may be waiting for its next update."""
+        self._finish(req, "abort")
+        seq = req.seq
+        req.deliver(Update("", [], seq.num_prompt_tokens, seq.num_generated, "abort"))
 
     def _finish(self, req: EngineRequest, reason: str) -> None:
         seq = req.seq
