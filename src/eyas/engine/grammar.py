@@ -87,7 +87,8 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar's own cache is unbounded by default (about 1 MB per large schema); ours below is the bound
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.compiled: OrderedDict[tuple, object] = OrderedDict()
         self.max_entries = max_entries
         stop = torch.zeros(vocab_size, dtype=torch.bool)
