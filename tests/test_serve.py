@@ -610,10 +610,13 @@ def test_no_hostile_request_stalls_the_others(checkpoint):
                                                                                        range(20_000))}, 400),
             ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [f"s{i}" for i in range(100_000)]}, 400),
         ]
-        for path, body, status in hostile:
+        for n, (path, body, status) in enumerate(hostile):
+            start = time.perf_counter()
             r = httpx.post(url + path, json=body, timeout=60)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, \
                 (path, r.status_code, r.text[:200])
+            if n < 2:  # refused on its length in characters, before any tokenizing
+                assert "characters" in r.json()["error"]["message"] and time.perf_counter() - start < 2.0
 
         def chunks():  # 300 MB offered; the server reads 8 MiB of it
             for _ in range(300):

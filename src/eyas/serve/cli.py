@@ -44,8 +44,9 @@ def add_cli(subparsers) -> None:
                    "(it needs the key otherwise)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies are "
                    "refused with 413, read no further than this")
-    p.add_argument("--max-prompt-tokens", type=int, help="longer prompts are refused with 400 (default: the "
-                   "context)")
+    p.add_argument("--max-prompt-tokens", type=int, help="longer prompts are refused with 400; one with more "
+                   "characters than this many of the vocabulary's longest token is refused before tokenizing "
+                   "(default: the context)")
     p.add_argument("--grammar-timeout", type=float, default=GRAMMAR_TIMEOUT_S, help="seconds a request's JSON "
                    "schema or regex may take to compile; past it the request is a 400")
     p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (they "

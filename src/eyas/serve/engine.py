@@ -79,6 +79,10 @@ class EngineLoop:
         self.metrics = metrics
         self.grammar_timeout = grammar_timeout
         self.max_prompt_tokens = min(max_prompt_tokens or llm.max_model_len, llm.max_model_len)
+        # no prompt of max_prompt_tokens tokens is longer than this, so a longer one is refused before tokenizing
+        tokenizer = llm.tokenizer
+        longest_token = max(map(len, tokenizer.get_vocab())) if tokenizer is not None else 1
+        self.max_prompt_chars = self.max_prompt_tokens * longest_token
         self.pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="eyas-prepare")
         self.inbox: queue.Queue[tuple[str, EngineRequest]] = queue.Queue()
         self.live: dict[int, EngineRequest] = {}  # seq_id -> request, engine thread only
@@ -123,6 +127,12 @@ class EngineLoop:
         return params, ids
 
     def _encode(self, prompt: str | list[int] | list[dict], param: str) -> list[int]:
+        chars = len(prompt) if isinstance(prompt, str) else sum(
+            len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"{param} has {chars} characters; this server takes at most {self.max_prompt_tokens} "
+                           f"tokens (--max-prompt-tokens), and no prompt that long has over {self.max_prompt_chars} "
+                           "characters", param=param, code="context_length_exceeded")
         try:
             ids = self.llm.encode(prompt)
         except Exception as e:  # no tokenizer, or the chat template refused the messages
