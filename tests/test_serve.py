@@ -435,6 +435,33 @@ def test_client_that_gives_up_before_its_first_token_costs_no_prefill(checkpoint
     assert not [r for r in caplog.records if r.exc_info], "a disconnect logged a traceback"
 
 
+def test_client_that_leaves_while_sending_its_body_is_one_log_line(server, caplog):
+    """A client announces a 1,000-byte body, sends 10 bytes and closes: a 499 in the access log, no traceback from
+    the ASGI server (it was a 500 and "Exception in ASGI application")."""
+    import logging
+
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = errors.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    host, port = server[0].removeprefix("http://").split(":")
+    try:
+        with caplog.at_level("INFO", logger="eyas.access"):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+                time.sleep(0.2)
+            deadline = time.time() + 5
+            while not [r for r in caplog.records if r.name == "eyas.access" and " 499 " in r.getMessage()]:
+                assert time.time() < deadline, "no access line for the client that left"
+                time.sleep(0.01)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    line = next(r.getMessage() for r in caplog.records if r.name == "eyas.access" and " 499 " in r.getMessage())
+    assert line.endswith("client disconnected")
+    assert not errors, [r.getMessage() for r in errors]
+
+
 def test_concurrent_streams_with_disconnects(checkpoint):
     # 16 blocks of 16 tokens cannot hold 8 sequences of 40-120 tokens: some wait or are preempted, none refused
     llm = LLM(checkpoint, max_num_seqs=8, num_blocks=16)

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from eyas.engine.llm import LLM
 from eyas.serve.cli import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
@@ -71,6 +72,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         metrics.rejected(e.status)
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect) -> Response:  # it left while sending its body
+        request.state.client_gone = True  # for the access log
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> JSONResponse:  # a bug: still an OpenAI error body
