@@ -3,9 +3,10 @@ that give up before their first token (10-500 ms timeouts), each phase on a fres
 
     python benchmarks/serve_load.py --clients 48 --abandoning 4 --duration 180
 
-Per phase it prints the real clients' generated tokens/s, requests finished and dropped, statuses (any 5xx is a
-failure), KV blocks still in use after the load, the server's RSS before and after, and the server's log: tracebacks
-and disconnect lines. The last line is the throughput ratio with / without the abandoning clients.
+Per phase it prints the real clients' generated tokens/s, requests finished and dropped, the tokens the engine
+generated that no client read, statuses (any 5xx is a failure), KV blocks still in use after the load, the server's
+RSS before and after, and the server's log: tracebacks and disconnect lines. The last line is the throughput ratio
+with / without the abandoning clients.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def kv_blocks_used(url: str) -> float:
+def server_counter(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    match = re.search(r"^eyas:kv_cache_blocks_used\{[^}]*\} (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
     return float(match.group(1)) if match else float("nan")
 
 
@@ -138,7 +139,10 @@ def phase(args: argparse.Namespace, abandoning: int) -> dict:
                   "seconds": elapsed, "finished": load.finished, "dropped": load.dropped,
                   "abandoned": load.abandoned, "statuses": {str(k): v for k, v in load.statuses.items()},
                   "server_errors": sum(v for k, v in load.statuses.items() if str(k).split()[-1].startswith("5")),
-                  "kv_blocks_used_after": kv_blocks_used(url), "rss_mb_before": rss_before,
+                  "kv_blocks_used_after": server_counter(url, "eyas:kv_cache_blocks_used"),
+                  # tokens the engine generated that no client read: past a dropped stream's end, or abandoned
+                  "tokens_unread": server_counter(url, "eyas:generation_tokens_total") - load.tokens,
+                  "rss_mb_before": rss_before,
                   "rss_mb_after": rss_mb(server.pid)}
     finally:
         server.terminate()
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"{abandoning} abandoning clients: {result['tokens_per_s']:.1f} tok/s ({result['tokens']} tokens in "
               f"{result['seconds']:.0f} s), {result['finished']} finished, {result['dropped']} dropped, "
-              f"{result['abandoned']} abandoned; statuses {result['statuses']}; 5xx {result['server_errors']}; KV "
+              f"{result['abandoned']} abandoned, {result['tokens_unread']:.0f} tokens generated and unread; "
+              f"statuses {result['statuses']}; 5xx {result['server_errors']}; KV "
               f"blocks after {result['kv_blocks_used_after']:.0f}; RSS {result['rss_mb_before']:.0f} -> "
               f"{result['rss_mb_after']:.0f} MB; server log {result['log_lines']} lines, "
               f"{result['log_tracebacks']} tracebacks, {result['log_disconnect_lines']} disconnect lines "
