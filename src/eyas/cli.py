@@ -256,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eyas.pipeline import add_cli as add_pipeline
     from eyas.serve.cli import add_cli as add_serve
     from eyas.train.hidden_states import add_cli as add_dump_hidden_states
+    from eyas.train.import_dumps import add_cli as add_import_hidden_states
     from eyas.train.regenerate import add_cli as add_regenerate
     from eyas.train.trainer import add_cli as add_train
     from eyas.train.vocab import add_cli as add_calibrate_vocab
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_regenerate(sub)
     add_calibrate_vocab(sub)
     add_dump_hidden_states(sub)
+    add_import_hidden_states(sub)
     add_train(sub)
     add_eval(sub)
     add_export(sub)
