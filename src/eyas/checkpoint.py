@@ -54,8 +54,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory, as stored (FP8 stays FP8)."""
+def read_safetensors(path: str | Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (or those named in `only`), as stored (FP8 stays FP8)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(Path(path)):
         try:
@@ -63,7 +63,8 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
                 for key in f.keys():
                     if key in tensors:
                         raise CheckpointError(f"{file}: key {key!r} also appears in another shard")
-                    tensors[key] = f.get_tensor(key)
+                    if only is None or key in only:
+                        tensors[key] = f.get_tensor(key)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
@@ -192,6 +193,38 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
             mtp.shared_head.head.weight = model.lm_head.weight
     model.model.rotary = Rotary(config.rope, config.max_position_embeddings).to(device)
     return model.eval()
+
+
+HEAD_WEIGHTS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu"):
+    """A target's `TargetHead` (embedding, final norm, lm_head), no other weight read: for training on hidden
+    states a dump or a server provides, on a machine that could not hold the target."""
+    from eyas.models.deepseek_v3 import TargetHead
+
+    path = Path(path)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    config = DeepseekV3Config.from_json(path)
+    raw = json.loads((path / "config.json").read_text())
+    names = {*HEAD_WEIGHTS, *(name.removesuffix("weight") + "weight_scale_inv" for name in HEAD_WEIGHTS)}
+    tensors = dequantize_fp8(read_safetensors(path, only=names), fp8_block_size(raw) or (128, 128), dtype,
+                             source=str(path))
+    with torch.device("meta"):
+        head = TargetHead(config)
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    expected = [k for k in HEAD_WEIGHTS if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    for key in expected:
+        if key not in tensors:
+            raise CheckpointError(f"{path}: weight {key!r} is missing")
+        if tuple(tensors[key].shape) != shapes[key]:
+            raise CheckpointError(f"{path}: weight {key!r} has shape {tuple(tensors[key].shape)}; config.json "
+                                  f"implies {shapes[key]}")
+    head.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        head.lm_head.weight = head.model.embed_tokens.weight
+    return head.eval()
 
 
 def save_model(model, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:

@@ -55,9 +55,10 @@ class ServerClient:
         self.retries, self.backoff = retries, backoff
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
-        self.model = model or self._request("GET", "/v1/models")["data"][0]["id"]
+        self.model = model or self.request("GET", "/v1/models")["data"][0]["id"]
 
-    def _request(self, method: str, path: str, body: dict | None = None):
+    def request(self, method: str, path: str, body: dict | None = None):
+        """One request with the retries described above: the JSON answer (the text of /metrics)."""
         for attempt in range(self.retries + 1):
             try:
                 r = self.http.request(method, path, json=body)
@@ -89,7 +90,7 @@ class ServerClient:
                 "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        data = self._request("POST", path, body)
+        data = self.request("POST", path, body)
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         return ChatResult(text or "", data["usage"]["completion_tokens"], choice["finish_reason"],
@@ -97,7 +98,7 @@ class ServerClient:
 
     def spec_counters(self) -> dict[str, float]:
         """The speculative-decoding counters of the server's /metrics (see parse_spec_counters)."""
-        return parse_spec_counters(self._request("GET", "/metrics"))
+        return parse_spec_counters(self.request("GET", "/metrics"))
 
     def close(self) -> None:
         self.http.close()

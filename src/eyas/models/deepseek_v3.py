@@ -314,3 +314,28 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Logits [batch, seq, vocab] for input_ids [batch, seq], no cache."""
         hidden, _ = self.model(input_ids)
         return self.compute_logits(hidden)
+
+
+class _HeadModel(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TargetHead(nn.Module):
+    """A target's embedding, final norm and lm_head under the target's own names (`model.embed_tokens`,
+    `model.norm`, `lm_head`): all that training a draft reads of the target when its hidden states come from
+    elsewhere (a dump, a server). A 671B target's are a few GB."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _HeadModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+

@@ -188,11 +188,25 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
     engine captures them.
     """
     config = target.config
+    if batch_size < 1:
+        raise ValueError(f"batch_size ({batch_size}) must be positive")
+    aux_ids, dtype_name = check_dump(config, examples, aux_hidden_state_ids, examples_per_shard, dtype)
+    manifest = new_manifest(config, target_path, examples, aux_ids, dtype_name, examples_per_shard)
+
+    def shard(first: int, last: int, progress: tqdm) -> dict[str, torch.Tensor]:
+        return _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
+
+    return write_shards(out_dir, manifest, shard, max_shards)
+
+
+def check_dump(config: DeepseekV3Config, examples: Sequence[Example], aux_hidden_state_ids: Sequence[int],
+               examples_per_shard: int, dtype: torch.dtype) -> tuple[tuple[int, ...], str]:
+    """(the aux ids ascending, the dtype's name) of a dump about to be written; a ValueError naming what is wrong."""
     aux_ids = tuple(sorted(int(i) for i in aux_hidden_state_ids))
     if len(set(aux_ids)) != len(aux_ids) or not aux_ids:
         raise ValueError(f"aux hidden state ids {list(aux_hidden_state_ids)} must be distinct and non-empty")
-    if examples_per_shard < 1 or batch_size < 1:
-        raise ValueError(f"examples_per_shard ({examples_per_shard}) and batch_size ({batch_size}) must be positive")
+    if examples_per_shard < 1:
+        raise ValueError(f"examples_per_shard ({examples_per_shard}) must be positive")
     dtype_name = next((name for name, d in DTYPES.items() if d == dtype), None)
     if dtype_name is None:
         raise ValueError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
@@ -204,13 +218,7 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
                              f"{config.max_position_embeddings} (max_position_embeddings)")
         if len(ex.loss_mask) != len(ex.input_ids):
             raise ValueError(f"example {n}: loss_mask has {len(ex.loss_mask)} entries for {len(ex.input_ids)} tokens")
-
-    manifest = new_manifest(config, target_path, examples, aux_ids, dtype_name, examples_per_shard)
-
-    def shard(first: int, last: int, progress: tqdm) -> dict[str, torch.Tensor]:
-        return _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
-
-    return write_shards(out_dir, manifest, shard, max_shards)
+    return aux_ids, dtype_name
 
 
 def new_manifest(config: DeepseekV3Config, target_path: str | Path | None, examples: Sequence[Example],
@@ -407,6 +415,13 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
         aux_ids = to_hidden_state_ids(args.aux_layer_ids, args.aux_layer_convention, L)
     else:
         aux_ids = default_aux_layer_ids(L)
+    if args.print_vllm_command:
+        from eyas.train.hidden_states_server import vllm_command
+
+        print(vllm_command(args.model, aux_ids, L, args.vllm_storage, served_model_name=args.served_model_name))
+        return 0
+    if args.data is None or args.out_dir is None:
+        raise ValueError("give DATA.jsonl and OUT_DIR (or --print-vllm-command)")
     tokenizer = load_tokenizer(args.model)
     if tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer (tokenizer.json / tokenizer_config.json)")
@@ -416,10 +431,21 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
                     max_length, config.max_position_embeddings)
         max_length = config.max_position_embeddings
     examples = load_dataset(args.data, tokenizer, max_length)
-    target = load_model(args.model, dtype=args.target_dtype, device=args.device)
-    configure_threads(target, args.threads)
-    manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids, examples_per_shard=args.examples_per_shard,
-                                  dtype=DTYPES[args.dtype], batch_size=args.batch_size, target_path=args.model)
+    if args.server:
+        from eyas.client import ServerClient
+        from eyas.train.hidden_states_server import ServerHiddenStates, dump_from_server
+
+        client = ServerClient(args.server, args.served_model_name, args.api_key, timeout=args.request_timeout)
+        states = ServerHiddenStates(client, aux_ids, L, config.hidden_size, keep_files=args.keep_server_files)
+        manifest = dump_from_server(states, examples, args.out_dir, config, args.model,
+                                    examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
+                                    concurrency=args.concurrency)
+    else:
+        target = load_model(args.model, dtype=args.target_dtype, device=args.device)
+        configure_threads(target, args.threads)
+        manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids,
+                                      examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
+                                      batch_size=args.batch_size, target_path=args.model)
     given = (f" (given as {args.aux_layer_convention} ids {args.aux_layer_ids})"
              if args.aux_layer_ids and args.aux_layer_convention != "hidden_states" else "")
     print(f"wrote {manifest['num_examples']} examples ({manifest['total_tokens']} tokens, "
@@ -438,9 +464,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Tokenize a JSONL training file and write, per token, the target's aux hidden states and its "
         "last hidden state (before the final norm) as sharded safetensors plus manifest.json. Rerunning with the "
         "same arguments resumes an interrupted dump.")
-    p.add_argument("data", type=Path, metavar="DATA.jsonl", help="conversations (OpenAI messages or ShareGPT) "
-                   "or {\"text\": ...} records")
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR")
+    p.add_argument("data", type=Path, nargs="?", metavar="DATA.jsonl", help="conversations (OpenAI messages or "
+                   "ShareGPT) or {\"text\": ...} records")
+    p.add_argument("out_dir", type=Path, nargs="?", metavar="OUT_DIR")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory (default: the "
                    "bundled tiny DeepSeek-V3)")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", metavar="ID", help="layers whose hidden states the "
@@ -456,5 +482,19 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
+    g = p.add_argument_group("from a running vLLM (a target this machine cannot hold)")
+    g.add_argument("--server", metavar="URL", help="fetch the states from this vLLM, started with the command "
+                   "--print-vllm-command prints; the target is not loaded here (--model gives its config and "
+                   "tokenizer)")
+    g.add_argument("--print-vllm-command", action="store_true", help="print that command for --model and the aux "
+                   "ids, and exit")
+    g.add_argument("--vllm-storage", type=Path, default=Path("/tmp/eyas-hidden-states"), help="directory the "
+                   "server writes one file per request into; this machine must see it at the same path")
+    g.add_argument("--served-model-name", help="the server's model name (default: the first of its /v1/models)")
+    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--keep-server-files", action="store_true", help="leave the server's files in place once read "
+                   "(by default each is deleted: the shards hold the same states)")
     p.set_defaults(func=cmd_dump_hidden_states)
     return p

@@ -44,6 +44,10 @@ class TrainConfig:
     out: str
     data: str | None = None  # JSONL conversations or text (online)
     hidden_states: str | None = None  # a dump-hidden-states directory (offline)
+    # a vLLM serving extract_hidden_states: the states of --data's records fetched as training reaches them
+    hidden_states_server: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None  # for the server; never written to the run's recipe
     draft_arch: str = "mla"
     # None: auto (auto_draft_vocab_size: the ids covering 95% of the loss tokens, if under half the vocabulary);
     # 0: the target's whole vocabulary; N: the N most frequent loss tokens
@@ -93,6 +97,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if (self.data is None) == (self.hidden_states is None):
             raise ValueError("give exactly one of --data (online training) or --hidden-states (offline)")
+        if self.hidden_states_server and self.data is None:
+            raise ValueError("--hidden-states-server needs --data: the records whose hidden states it serves")
         if self.draft_arch not in ("mla", "mha"):
             raise ValueError(f"--draft-arch is {self.draft_arch!r}; expected mla or mha")
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:
@@ -271,7 +277,7 @@ class RunLock:
 
 
 def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
-    from eyas.checkpoint import load_model
+    from eyas.checkpoint import load_model, load_target_head
     from eyas.engine.llm import load_tokenizer
 
     rank, world = setup_distributed(cfg.device)
@@ -279,7 +285,10 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
     out = Path(cfg.out)
     if cfg.eval_every and cfg.fsdp and world > 1:
         raise ValueError("--eval-every needs the whole draft on one rank; it does not run with --fsdp")
-    target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
+    if cfg.hidden_states or cfg.hidden_states_server:  # the states come from elsewhere: only the head is needed
+        target = load_target_head(cfg.target, dtype=cfg.target_dtype, device=device)
+    else:
+        target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
     target.requires_grad_(False)
     configure_threads(target, cfg.threads)
     L = target.config.num_hidden_layers
@@ -300,6 +309,14 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
         loaded = load_dataset(cfg.data, tokenizer, cfg.max_length)
         examples = [{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in loaded]
         last_hidden_post_norm = False
+    streamed = None
+    if cfg.hidden_states_server:
+        from eyas.client import ServerClient
+        from eyas.train.hidden_states_server import ServerHiddenStates, StreamedHiddenStates
+
+        client = ServerClient(cfg.hidden_states_server, cfg.served_model_name, cfg.api_key)
+        states = ServerHiddenStates(client, aux_ids, L, target.config.hidden_size)
+        examples = streamed = StreamedHiddenStates(states, loaded, target.lm_head.weight.dtype)
     if len(examples) < cfg.batch_size:
         raise ValueError(f"{len(examples)} training examples are fewer than one batch of {cfg.batch_size}")
 
@@ -383,7 +400,13 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
             indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
-            batch = {k: v.to(device) for k, v in collate([examples[i] for i in indices], cfg.max_length).items()}
+            if streamed is not None:  # this step's batch waits on the server; the next steps' are fetched meanwhile
+                for ahead in range(step + 1, min(step + 1 + PREFETCH_STEPS, cfg.max_steps)):
+                    streamed.prefetch(ahead, batch_indices(len(examples), ahead, cfg.batch_size, cfg.seed)[rank::world])
+                items = streamed.batch(step, indices)
+            else:
+                items = [examples[i] for i in indices]
+            batch = {k: v.to(device) for k, v in collate(items, cfg.max_length).items()}
             aux, target_logits = target_features(target, batch, aux_ids, last_hidden_post_norm)
             with cfg.autocast(device):
                 result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
@@ -439,6 +462,8 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
                 record["interrupted"] = True
                 break
     bar.close()
+    if streamed is not None:
+        streamed.close()
     if rank == 0:
         plot_log(log_path, out / "train_curves.png", title=f"{cfg.draft_arch} draft for {Path(cfg.target).name}")
         elapsed = time.perf_counter() - start
@@ -458,7 +483,8 @@ def _examples_for_vocab(examples):
 
 # settings a resumed run may change: where and how often it saves, logs and evaluates, how it runs, and how long
 _NOT_COMPARED = ("save_every", "save_minutes", "log_every", "out", "fsdp", "device", "threads", "max_steps",
-                 "eval_every", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens")
+                 "eval_every", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens", "hidden_states_server",
+                 "served_model_name", "api_key")
 
 
 def _comparable(cfg: TrainConfig) -> dict:
@@ -549,14 +575,16 @@ def read_log(path: Path) -> list[dict]:
 
 
 RECIPE_NAME = "train_config.yaml"
+PREFETCH_STEPS = 4  # with --hidden-states-server, the batches of this many next steps are fetched ahead
 
 
 def write_recipe(path: Path, cfg: TrainConfig) -> None:
-    """Every setting of the run, as a file `eyas train --config` reads back."""
+    """Every setting of the run but the API key, as a file `eyas train --config` reads back."""
     import yaml
 
     header = "# eyas train settings of this run; rerun with: eyas train --config <this file> [--resume]\n"
-    path.write_text(header + yaml.safe_dump(asdict(cfg), sort_keys=False))
+    settings = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+    path.write_text(header + yaml.safe_dump(settings, sort_keys=False))
 
 
 PREVIOUS_STATE = "state.prev.pt"
@@ -752,6 +780,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--data", help="training JSONL (online); default with the bundled target: the bundled "
                    "conversations")
     p.add_argument("--hidden-states", help="dumped hidden states directory (offline)")
+    p.add_argument("--hidden-states-server", metavar="URL", help="with --data: fetch each batch's hidden states "
+                   f"from this vLLM (started with the command `eyas dump-hidden-states --print-vllm-command` "
+                   f"prints), {PREFETCH_STEPS} steps ahead, nothing kept on disk; only the target's embedding, "
+                   "final norm and lm_head are loaded here")
+    p.add_argument("--served-model-name", help="the server's model name (default: the first of its /v1/models)")
+    p.add_argument("--api-key", help="for --hidden-states-server: sent as 'Authorization: Bearer KEY' (not written "
+                   f"to {RECIPE_NAME})")
     p.add_argument("--out", default="runs/draft", help="output directory")
     p.add_argument("--draft-arch", choices=["mla", "mha"], default=d["draft_arch"],
                    help="mla: DeepSeek-style attention draft; mha: Llama-style draft")
@@ -840,7 +875,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              "directory): the bundled conversations are for the bundled target only")
         values["data"] = str(DEFAULT_DATA)
         print(f"no --data: training on the bundled conversations {DEFAULT_DATA}", file=sys.stderr)
-    for key in ("target", "out", "data", "hidden_states", "vocab_file", "eval_prompts"):
+    for key in ("target", "out", "data", "hidden_states", "hidden_states_server", "vocab_file", "eval_prompts"):
         if values[key] is not None:
             values[key] = str(values[key])
     return TrainConfig(**values)
