@@ -67,7 +67,8 @@ def parse_args() -> argparse.Namespace:
 
 def prepare_draft(args: argparse.Namespace, work: Path) -> Path:
     """The draft in vLLM's layout; with --eagle31, first given fc_norm (perturbed) and norm_output."""
-    from eyas.export import export_draft, load_target_head, save_draft
+    from eyas.checkpoint import load_target_head
+    from eyas.export import export_draft, save_draft
     from eyas.models.eagle3 import Eagle3Draft, load_draft
 
     source = args.draft

@@ -224,7 +224,7 @@ def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto",
     head.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         head.lm_head.weight = head.model.embed_tokens.weight
-    return head.eval()
+    return head.requires_grad_(False).eval()
 
 
 def save_model(model, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:

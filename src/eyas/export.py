@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
-from eyas.checkpoint import CheckpointError, checkpoint_files, dequantize_fp8, fp8_block_size
-from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.checkpoint import CheckpointError, checkpoint_files, dequantize_fp8, load_target_head
+from eyas.config import ConfigError, RopeConfig
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -303,37 +303,6 @@ def checkpoint_keys(path: str | Path) -> list[str]:
         except Exception as e:  # safetensors raises its own types for a corrupt header
             raise CheckpointError(f"{file}: cannot read the safetensors header ({type(e).__name__}: {e})") from e
     return keys
-
-
-def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The parts of a target that `load_draft` reads: its config, embedding and lm_head, with none of the decoder
-    layers (exporting or inspecting a DeepSeek-V3 draft must not load 671B parameters)."""
-    path = Path(path)
-    config = DeepseekV3Config.from_json(path)
-    raw = json.loads((path / "config.json").read_text())
-    names = {"model.embed_tokens.weight", "lm_head.weight"}
-    names |= {n + "_scale_inv" for n in names}
-    stored: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in names & set(f.keys()):
-                stored[key] = f.get_tensor(key)
-    tensors = dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), dtype, source=str(path))
-    if "lm_head.weight" not in tensors and config.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    for key in ("model.embed_tokens.weight", "lm_head.weight"):
-        shape = (config.vocab_size, config.hidden_size)
-        if key not in tensors or tuple(tensors[key].shape) != shape:
-            found = tuple(tensors[key].shape) if key in tensors else "missing"
-            raise CheckpointError(f"{path}: target weight {key!r} is {found}; expected shape {shape}")
-    target = nn.Module()
-    target.config = config
-    target.model = nn.Module()
-    target.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=tensors[
-        "model.embed_tokens.weight"], _freeze=True)
-    target.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    target.lm_head.weight = nn.Parameter(tensors["lm_head.weight"], requires_grad=False)
-    return target.eval()
 
 
 def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Module:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
-from eyas.checkpoint import CheckpointError
+from eyas.checkpoint import CheckpointError, load_target_head
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
-from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, load_target_head, stored_dtype
+from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, stored_dtype
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
