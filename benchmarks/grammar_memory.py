@@ -10,9 +10,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from eyas.config import StructuredOutputParams
 from eyas.engine.grammar import GrammarCache
 from eyas.engine.llm import DEFAULT_MODEL
+from eyas.sampling_params import StructuredOutputParams
 
 
 def rss_mb() -> float:

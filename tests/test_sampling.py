@@ -2,8 +2,8 @@
 
 import torch
 
-from eyas.config import SamplingParams
 from eyas.engine.sampling import process_logits, sample
+from eyas.sampling_params import SamplingParams
 
 
 def kept(logits, **kw):

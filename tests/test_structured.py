@@ -10,9 +10,9 @@ from tiny import make_served_checkpoint
 from transformers import AutoTokenizer
 
 from eyas import LLM, SamplingParams
-from eyas.config import StructuredOutputParams
 from eyas.engine.grammar import GrammarCache
 from eyas.engine.llm import DEFAULT_MODEL
+from eyas.sampling_params import StructuredOutputParams
 
 shipped = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").is_file(), reason="no shipped model")
 
@@ -193,7 +193,7 @@ def test_without_xgrammar_a_structured_request_names_the_extra(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # makes `import xgrammar` raise ImportError
-    from eyas.engine.grammar import to_grammar
+    from eyas.sampling_params import to_grammar
 
     with pytest.raises(ValueError, match=r"pip install 'eyas\[structured\]'"):
         to_grammar(spec("person"))

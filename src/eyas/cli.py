@@ -37,8 +37,8 @@ def _read_prompt_file(path: Path) -> list[str | list[dict]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from eyas.config import SamplingParams
     from eyas.engine.llm import LLM
+    from eyas.sampling_params import SamplingParams
 
     if args.prompt_file:
         prompts = _read_prompt_file(args.prompt_file)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.config import SamplingParams, SpeculativeConfig
+from eyas.config import SpeculativeConfig
+from eyas.sampling_params import SamplingParams
 
 TYPICAL_EPSILON = 0.3
 TYPICAL_ALPHA = 0.09

@@ -23,42 +23,11 @@ JSON specs every token with such a byte is masked out as well.
 
 from __future__ import annotations
 
-import json
-import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from eyas.config import StructuredOutputParams
-
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[15:50:59] /project/cpp/x.cc:5082: " on its messages
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ValueError("structured output (response_format, guided_regex) needs the optional xgrammar package: "
-                         "pip install 'eyas[structured]'") from e
-    return xgrammar
-
-
-def to_grammar(spec: StructuredOutputParams):
-    """The xgrammar Grammar of a spec (no tokenizer needed); an invalid schema or regex is a ValueError naming it.
-    JSON is generated compact (no free whitespace), which keeps small models from padding forever."""
-    xgr = _xgrammar()
-    try:
-        if spec.json_schema is not None:
-            return xgr.Grammar.from_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
-        if spec.json_object:  # any object: additional properties allowed
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        return xgr.Grammar.from_regex(spec.regex)
-    except RuntimeError as e:
-        what = "json_schema" if spec.json_schema is not None else "regex"
-        reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else str(e))
-        raise ValueError(f"structured_output {what} is invalid: {reason}") from e
+from eyas.sampling_params import StructuredOutputParams, load_xgrammar, to_grammar
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:
@@ -83,7 +52,7 @@ class GrammarCache:
     (a compiled schema holds its token masks: 200 distinct large schemas added 561 MB unbounded)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_entries: int = 64) -> None:
-        xgr = _xgrammar()
+        xgr = load_xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
@@ -99,7 +68,7 @@ class GrammarCache:
 
     def new_bitmask(self, num_rows: int) -> torch.Tensor:
         """[num_rows, ceil(vocab / 32)] int32, every token allowed."""
-        return _xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
+        return load_xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
 
     def compile(self, spec: StructuredOutputParams):
         """The compiled grammar of `spec`, from the cache or compiled now (any thread may call this: a server
@@ -109,7 +78,7 @@ class GrammarCache:
         if compiled is None:
             compiled = self.compiler.compile_grammar(to_grammar(spec))
             start = self.new_bitmask(1)
-            _xgrammar().GrammarMatcher(compiled).fill_next_token_bitmask(start, 0)
+            load_xgrammar().GrammarMatcher(compiled).fill_next_token_bitmask(start, 0)
             if not start.any():  # no token may begin the output: every request with it would hang or fail
                 what = "regex" if spec.regex is not None else "JSON schema"
                 raise ValueError(f"the {what} can match no output (no token can start it)")
@@ -122,7 +91,7 @@ class GrammarCache:
 
     def matcher(self, spec: StructuredOutputParams) -> SequenceGrammar:
         json_spec = spec.json_schema is not None or spec.json_object
-        return SequenceGrammar(_xgrammar().GrammarMatcher(self.compile(spec)), self, json_spec)
+        return SequenceGrammar(load_xgrammar().GrammarMatcher(self.compile(spec)), self, json_spec)
 
 
 class SequenceGrammar:

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.checkpoint import load_model
-from eyas.config import SamplingParams, SpeculativeConfig
+from eyas.config import SpeculativeConfig
 from eyas.engine.chat import encode_chat
 from eyas.engine.grammar import GrammarCache, apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
@@ -25,6 +25,7 @@ from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
 from eyas.engine.speculative import SpeculativeDecoder
 from eyas.models.layers import pack_for_inference
+from eyas.sampling_params import SamplingParams
 from eyas.threads import configure_threads
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas.config import SamplingParams
+from eyas.sampling_params import SamplingParams
 
 # one generated token's log-probabilities: (its id, its log-prob, [(token id, log-prob)] of the most likely, best first)
 TokenLogprobs = tuple[int, float, list[tuple[int, float]]]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eyas.config import SamplingParams
+from eyas.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from eyas.engine.grammar import SequenceGrammar

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from eyas.config import SamplingParams
+from eyas.sampling_params import SamplingParams
 from eyas.threads import THREADS_HELP
 
 

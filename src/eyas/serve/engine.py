@@ -27,10 +27,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from eyas.config import SamplingParams
 from eyas.engine.llm import LLM, PromptTooLong
 from eyas.engine.sampling import TokenLogprobs
 from eyas.engine.sequence import Sequence
+from eyas.sampling_params import SamplingParams
 from eyas.serve.cli import GRAMMAR_TIMEOUT_S
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import ApiError, LogprobEntry

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from eyas.config import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
+from eyas.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 
 
 class ApiError(Exception):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eyas.config import SamplingParams
+from eyas.sampling_params import SamplingParams
 from eyas.threads import THREADS_HELP
 from eyas.train.data import iter_records, normalize_record
 

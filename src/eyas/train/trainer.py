@@ -547,10 +547,11 @@ def measure_acceptance(cfg: TrainConfig, draft: Eagle3Draft, device: torch.devic
     eval prompts spread over the file (its categories come in blocks)."""
     import tempfile
 
-    from eyas.config import SamplingParams, SpeculativeConfig
+    from eyas.config import SpeculativeConfig
     from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, LLM
     from eyas.eval.acceptance import evaluate, read_prompts, spread
     from eyas.export import save_draft
+    from eyas.sampling_params import SamplingParams
 
     records = spread(read_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS)), cfg.eval_num_prompts)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-draft-") as tmp:
