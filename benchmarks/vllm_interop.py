@@ -128,15 +128,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: list[str] | None = None,
+               env_extra: dict[str, str] | None = None, max_num_seqs: int = 1) -> tuple[subprocess.Popen, str]:
+    """A vLLM server for the bundled target (with `draft` as its EAGLE-3 draft, and `extra` arguments); its URL."""
     port = free_port()
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
                "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--max-num-seqs", "1"]
+               "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
+               # on a CPU with AMX vLLM picks its AMX MLA kernel, which takes no float32 weights
+               "--attention-backend", "CPU_MLA", *(extra or [])]
     if draft is not None:
         command += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": args.num_speculative_tokens})]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1", **(env_extra or {}))
     # the virtualenv's own lib/ (not resolved: its python is a link to the base interpreter)
     libiomp = next(Path(args.vllm_python).absolute().parents[1].rglob("libiomp5.so"), None)
     if libiomp is not None:
