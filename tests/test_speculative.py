@@ -287,14 +287,13 @@ def test_seeded_speculative_sampling_does_not_depend_on_the_batch(random_mtp):
 def test_disable_batch_size_defaults_by_device():
     import argparse
 
-    from eyas.cli import CPU_DISABLE_BATCH_SIZE, add_speculative_args, speculative_config
+    from eyas.engine_args import CPU_DISABLE_BATCH_SIZE, EngineArgs
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu")
-    add_speculative_args(parser)
+    EngineArgs.add_cli_args(parser)
 
     def config(*argv):
-        return speculative_config(parser.parse_args(["--speculative-method", "mtp", *argv]))
+        return EngineArgs.from_cli_args(parser.parse_args(["--speculative-method", "mtp", *argv])).speculative_config()
 
     assert config().disable_batch_size == CPU_DISABLE_BATCH_SIZE
     assert config("--device", "cuda").disable_batch_size is None

@@ -34,12 +34,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eyas.engine.llm import DEFAULT_MODEL
-from eyas.threads import THREADS_HELP
+from eyas.engine_args import EngineArgs
 
 if TYPE_CHECKING:
     import httpx
@@ -355,18 +354,14 @@ def bench_servers(args: argparse.Namespace, repeat: int = 0) -> Iterator[tuple[s
     if args.base_url:
         yield "server", args.base_url.rstrip("/"), args.served_model_name or _remote_model(args)
         return
-    from eyas.cli import speculative_config
-    from eyas.engine.llm import LLM
-
-    spec = speculative_config(args)
+    engine = EngineArgs.from_cli_args(args)
+    speculates = engine.speculative_config() is not None
     name = args.served_model_name or Path(args.model).name
-    servers = (("plain", None), ("speculative", spec))
-    for label, config in servers if repeat % 2 == 0 else servers[::-1]:
-        if label == "speculative" and config is None:
+    servers = (("plain", replace(engine, speculative_method="none")), ("speculative", engine))
+    for label, server in servers if repeat % 2 == 0 else servers[::-1]:
+        if label == "speculative" and not speculates:
             continue
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
-                  speculative_config=config, threads=args.threads)
+        llm = server.build_llm()
         with serve_in_thread(llm, name) as url:
             yield label, url, name
         del llm
@@ -439,14 +434,13 @@ def _positive_int(text: str) -> int:
 
 
 def add_cli(subparsers) -> None:
-    from eyas.cli import add_speculative_args
-
     bench = subparsers.add_parser("bench", help="benchmarks", description="Benchmarks.")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("serve", help="load an OpenAI-compatible server and report TTFT, TPOT, throughput",
                        description=__doc__, formatter_class=bench.formatter_class)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint to serve (and whose "
-                   "tokenizer draws random prompts); default: the bundled tiny DeepSeek-V3")
+    EngineArgs.add_cli_args(p, model_help="target checkpoint to serve (and whose tokenizer draws random "
+                            "prompts); default: the bundled tiny DeepSeek-V3",
+                            title="the servers started without --base-url")
     p.add_argument("--base-url", help="load this running server instead of starting one (e.g. "
                    "http://127.0.0.1:8000)")
     p.add_argument("--served-model-name", help="the `model` sent with each request (default: the directory name, "
@@ -470,12 +464,4 @@ def add_cli(subparsers) -> None:
                    "times, alternating which server goes first; the comparison gives the median of the paired "
                    "ratios (single runs on a shared machine move by several percent)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the whole report (every request too) here")
-    s = p.add_argument_group("the servers started without --base-url")
-    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    s.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
-    s.add_argument("--dtype", default="auto")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--threads", type=int, help=THREADS_HELP)
-    add_speculative_args(p)
     p.set_defaults(func=_bench_serve)

@@ -10,8 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from eyas.engine.llm import DEFAULT_MODEL
-from eyas.threads import THREADS_HELP
+from eyas.engine_args import EngineArgs
 
 
 def _read_prompt_file(path: Path) -> list[str | list[dict]]:
@@ -37,7 +36,6 @@ def _read_prompt_file(path: Path) -> list[str | list[dict]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from eyas.engine.llm import LLM
     from eyas.sampling_params import SamplingParams
 
     if args.prompt_file:
@@ -49,9 +47,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_new_tokens, stop=args.stop or [],
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=min(args.max_num_seqs, len(prompts)),
-              kv_cache_memory_gb=args.kv_cache_memory, speculative_config=speculative_config(args),
-              threads=args.threads)
+    engine = EngineArgs.from_cli_args(args)
+    engine.max_num_seqs = min(engine.max_num_seqs, len(prompts))  # no KV cache for slots no prompt fills
+    llm = engine.build_llm()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
     for prompt, out in zip(prompts, outputs):
         if args.json:
@@ -98,93 +96,6 @@ def warn_if_slower_than_plain(llm, prompts: list, params, outputs: list) -> None
             print(warning, file=sys.stderr)
 
 
-def speculative_config(args: argparse.Namespace):
-    """The SpeculativeConfig the speculative arguments describe, or None for plain decoding. With no
-    --speculative-method: eagle when a --draft-model is given; for the bundled target, eagle with its bundled MLA
-    draft; otherwise plain."""
-    from eyas.config import SpeculativeConfig
-    from eyas.engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
-
-    method, draft = args.speculative_method, args.draft_model
-    if method is None:
-        model = getattr(args, "model", None)
-        if draft is not None:
-            method = "eagle"
-        elif model is not None and Path(model).resolve() == DEFAULT_MODEL.resolve() and DEFAULT_DRAFT.is_dir():
-            method, draft = "eagle", DEFAULT_DRAFT
-        else:
-            method = "none"
-    if method == "none":
-        return None
-    per_batch = []
-    if args.num_speculative_tokens_per_batch_size:
-        try:
-            per_batch = json.loads(args.num_speculative_tokens_per_batch_size)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--num-speculative-tokens-per-batch-size is not valid JSON ({e})") from e
-        if not isinstance(per_batch, list):
-            raise ValueError("--num-speculative-tokens-per-batch-size must be a JSON list of "
-                             '{"batch_start": ..., "batch_end": ..., "num_tokens": ...} objects')
-    return SpeculativeConfig(
-        method=method, draft_model=str(draft) if draft else None,
-        num_speculative_tokens=args.num_speculative_tokens, num_speculative_tokens_per_batch_size=per_batch,
-        disable_batch_size=disable_batch_size(args),
-        rejection_sampling_strategy=args.rejection_sampling_strategy,
-        synthetic_acceptance_rate=args.synthetic_acceptance_rate, relaxed_thinking=args.relaxed_thinking,
-        relaxed_thinking_topk=args.relaxed_thinking_topk, relaxed_thinking_delta=args.relaxed_thinking_delta,
-        aux_layer_convention=args.aux_layer_convention, allow_unused_draft_weights=args.allow_unused_draft_weights)
-
-
-# measured with `eyas bench serve` on the bundled target against plain: drafting always on, c=8 1.15x, c=12 1.10x,
-# c=14 1.20x, c=16 0.95x; off from 16, c=16 0.92x and 0.95x (whenever the batch dips below 16 drafting resumes, with
-# the draft blind to the positions computed while it was off: AL 1.93); off from 12, c=8 1.22-1.24x, c=16 0.96x,
-# 1.04x, 0.99x, 1.04x; off from 10, c=8 1.18x, c=16 1.11x (fewer blind resumptions as a wave of requests drains)
-CPU_DISABLE_BATCH_SIZE = 10
-
-
-def disable_batch_size(args: argparse.Namespace) -> int | None:
-    """--speculative-disable-batch-size, or its device default: on CPU a verify step of K + 1 rows per sequence is
-    compute-bound well before a GPU's would be; on GPUs drafting stays on (0 turns it off everywhere)."""
-    if args.speculative_disable_batch_size is not None:
-        return args.speculative_disable_batch_size or None
-    return CPU_DISABLE_BATCH_SIZE if str(getattr(args, "device", "cpu")).startswith("cpu") else None
-
-
-def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"],
-                   help="eagle: an EAGLE-3 draft head (--draft-model); mtp: the target's own NextN layer; "
-                   "none: plain decoding. Default: eagle when --draft-model is given; for the bundled tiny target, "
-                   "eagle with its bundled MLA draft; otherwise none")
-    s.add_argument("--draft-model", type=Path, help="EAGLE-3 draft directory (vLLM, SGLang, Model Optimizer, MAX "
-                   "or eyas layout; MLA or Llama-style MHA)")
-    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (K)")
-    s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
-                   help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
-                   '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
-    s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
-                   help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
-                   "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
-                   "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
-                   f"Default: {CPU_DISABLE_BATCH_SIZE} on CPU, off on GPUs; 0: never disable")
-    s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
-                   help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
-                   "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
-                   "when sampling); typical: Medusa's typical acceptance (LOSSY: output is not the target's)")
-    s.add_argument("--synthetic-acceptance-rate", type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
-                   "position with this probability regardless of the draft, to measure engine overhead")
-    s.add_argument("--relaxed-thinking", action="store_true", help="LOSSY: inside <think>...</think>, accept a "
-                   "draft among the target's top-k whose log-prob is within delta of the best")
-    s.add_argument("--relaxed-thinking-topk", type=int, default=10)
-    s.add_argument("--relaxed-thinking-delta", type=float, default=0.6)
-    s.add_argument("--allow-unused-draft-weights", action="store_true", help="load a draft whose file holds weights "
-                   "its config does not use (for example fc_norm.* with fc_norm false), dropping them; without it "
-                   "that is an error naming them and the switch that would use them")
-    s.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
-                   help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
-                   "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")
-
-
 class HelpFormatter(argparse.HelpFormatter):
     """Descriptions keep their line breaks (long lines are wrapped); every option's help ends with its default."""
 
@@ -222,8 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate continuations. Prompts come from --prompt (repeatable) or "
                        "--prompt-file (JSONL: {\"prompt\": ...}, {\"messages\": [...]} or {\"turns\": [...]} per "
                        "line, chat rendered by the tokenizer's template). Greedy by default (--temperature 0).")
-    g.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF checkpoint directory of the target "
-                   "(default: the bundled tiny DeepSeek-V3)")
+    EngineArgs.add_cli_args(g, without=("--max-model-len",))
     g.add_argument("--prompt", action="append", help="a text prompt; repeat for a batch")
     g.add_argument("--prompt-file", type=Path, help="JSONL file of prompts")
     g.add_argument("--chat", action="store_true", help="send each --prompt as a user message, rendered with the "
@@ -236,17 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="per-request seed: same output whatever else is in the batch")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the text")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    g.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: 0.25 on "
-                   "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
-    g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--threads", type=int, help=THREADS_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, "
                    "num_generated, finish_reason, time_to_first_token, tokens_per_second")
     g.add_argument("--no-speed-check", dest="speed_check", action="store_false", help="with a draft, skip the "
                    "short plain-decoding run that warns when speculation was slower than plain decoding")
-    add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     from eyas.bench import add_cli as add_bench

@@ -21,8 +21,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from eyas.engine_args import EngineArgs
 from eyas.sampling_params import SamplingParams
-from eyas.threads import THREADS_HELP
 
 
 def spread(records: list[dict], n: int) -> list[dict]:
@@ -259,19 +259,14 @@ def plot_report(report: dict, png: Path, title: str) -> None:
 
 
 def add_cli(subparsers) -> None:
-    from eyas.cli import add_speculative_args
-    from eyas.engine.llm import DEFAULT_MODEL
-
     p = subparsers.add_parser(
         "eval", help="acceptance length per category of a draft on a prompts file, through the engine",
         description=__doc__)
     p.add_argument("prompts", type=Path, help="JSONL prompts file (category + turns, or category + prompt)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
+    EngineArgs.add_cli_args(p, without=("--dtype", "--device", "--max-model-len", "--kv-cache-memory"))
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
     p.add_argument("--server", metavar="URL", help="measure a running server instead (vLLM, SGLang, MAX, eyas "
                    "serve; e.g. http://127.0.0.1:8000): requests one at a time, acceptance from the deltas of its "
@@ -281,22 +276,20 @@ def add_cli(subparsers) -> None:
     p.add_argument("--speed-prompts", type=int, default=8, help="also time this many prompts (spread over the "
                    "file, first turns) one at a time, plain and speculative on the same engine, and report the "
                    "speedup; 0: skip")
-    add_speculative_args(p)
     p.set_defaults(func=_cmd_eval)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from eyas.cli import speculative_config
-    from eyas.engine.llm import LLM
-
     if args.server:
         return _eval_by_server(args)
-    spec = speculative_config(args)
+    engine = EngineArgs.from_cli_args(args)
+    # acceptance is measured: draft at every batch size unless told otherwise (0: never disable)
+    engine.speculative_disable_batch_size = engine.speculative_disable_batch_size or 0
+    spec = engine.speculative_config()
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
-    spec.disable_batch_size = args.speculative_disable_batch_size or None  # acceptance is measured: draft always
     records = read_prompts(args.prompts)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, speculative_config=spec, threads=args.threads)
+    llm = engine.build_llm()
     params = _params(args)
     report = evaluate(llm, records, params)
     if args.speed_prompts > 0:

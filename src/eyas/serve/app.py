@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from eyas.engine.llm import LLM
+from eyas.engine_args import EngineArgs
 from eyas.serve.cli import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 from eyas.serve.engine import EngineLoop, EngineRequest, Update
 from eyas.serve.metrics import ServerMetrics
@@ -379,11 +380,7 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, then run uvicorn until interrupted."""
     import uvicorn
 
-    from eyas.cli import speculative_config
-
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory,
-              speculative_config=speculative_config(args), threads=args.threads)
+    llm = EngineArgs.from_cli_args(args).build_llm()
     name = args.served_model_name or Path(args.model).name
     app = build_app(llm, name, api_key=args.api_key, enable_docs=args.enable_docs,
                     public_metrics=args.public_metrics, max_request_bytes=args.max_request_bytes,

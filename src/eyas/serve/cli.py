@@ -4,10 +4,8 @@ FastAPI and uvicorn."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from eyas.engine.llm import DEFAULT_MODEL
-from eyas.threads import THREADS_HELP
+from eyas.engine_args import EngineArgs
 
 # the default request-body cap (a 2,048-token context is a few KB of text); here, not in app.py, so that building
 # the `eyas` parser imports no FastAPI
@@ -22,24 +20,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    from eyas.cli import add_speculative_args
-
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               description="Serve the target (optionally with speculative decoding) at "
                               "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="HF checkpoint directory of the target "
-                   "(default: the bundled tiny DeepSeek-V3)")
+    EngineArgs.add_cli_args(p)
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    p.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: 0.25 on "
-                   "CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.add_argument("--public-metrics", action="store_true", help="with --api-key, serve /metrics without the key "
                    "(it needs the key otherwise)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies are "
@@ -53,5 +41,4 @@ def add_cli(subparsers) -> None:
                    "describe every route to anyone who can reach the server)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request "
                    "(client, method, route, status, tokens, seconds) on stderr")
-    add_speculative_args(p)
     p.set_defaults(func=_serve)

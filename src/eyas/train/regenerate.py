@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eyas.engine_args import EngineArgs
 from eyas.sampling_params import SamplingParams
-from eyas.threads import THREADS_HELP
 from eyas.train.data import iter_records, normalize_record
 
 
@@ -91,21 +91,15 @@ def regenerate_by_server(client, conversation: list[dict], params: SamplingParam
 
 
 def add_cli(subparsers) -> None:
-    from eyas.engine.llm import DEFAULT_MODEL
-
     p = subparsers.add_parser("regenerate", help="rewrite assistant turns with the target's own answers",
                               description=__doc__)
     p.add_argument("data", type=Path, help="JSONL conversations (OpenAI messages or ShareGPT conversations)")
     p.add_argument("out", type=Path, help="output JSONL (messages form); appended to, so reruns resume")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory")
+    EngineArgs.add_cli_args(p, max_num_seqs=32, without=("--dtype", "--device", "--max-model-len"), speculative=False)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=64, help="conversations per saved chunk")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
-                   help="KV cache budget (default: 0.25 GiB on CPU); too small for max-num-seqs long conversations "
-                   "means preemption and recomputation")
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--server", metavar="URL", help="answer through this running OpenAI-compatible server (vLLM, "
                    "SGLang, MAX, eyas serve; e.g. http://127.0.0.1:8000) instead of loading --model here")
@@ -113,13 +107,10 @@ def add_cli(subparsers) -> None:
                    "/v1/models)")
     p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
     p.add_argument("--concurrency", type=int, default=8, help="with --server: conversations in flight at once")
-    p.add_argument("--threads", type=int, help=THREADS_HELP)
     p.set_defaults(func=_cmd_regenerate)
 
 
 def _cmd_regenerate(args: argparse.Namespace) -> int:
-    from eyas.engine.llm import LLM
-
     conversations = [normalise(record, f"{args.data}:{lineno}") for lineno, record in iter_records(args.data)]
     conversations = conversations[:args.limit] if args.limit else conversations
     done = 0
@@ -136,8 +127,9 @@ def _cmd_regenerate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
     if args.server:
         return _regenerate_by_server(args, conversations, done, params)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory,
-              threads=args.threads)
+    engine = EngineArgs.from_cli_args(args)
+    engine.speculative_method = "none"  # the answers are the target's plain decoding; this command has no draft flags
+    llm = engine.build_llm()
     # the bar counts answers, each as it is done; conversations are saved a chunk at a time
     bar = tqdm(total=_answers(conversations), initial=_answers(conversations[:done]), desc="regenerate",
                unit="answer")

@@ -1,0 +1,168 @@
+"""`EngineArgs`: the engine settings `eyas generate`, `serve`, `bench serve`, `eval` and `regenerate` share, the
+flags that fill them, and the `LLM` they describe (vLLM's pattern: one dataclass with `add_cli_args` and
+`from_cli_args`, so a flag's name, default and help live in one place).
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    llm = EngineArgs.from_cli_args(parser.parse_args()).build_llm()
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from eyas.config import SpeculativeConfig
+from eyas.engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL, LLM
+from eyas.threads import THREADS_HELP
+
+# measured with `eyas bench serve` on the bundled target against plain: drafting always on, c=8 1.15x, c=12 1.10x,
+# c=14 1.20x, c=16 0.95x; off from 16, c=16 0.92x and 0.95x (whenever the batch dips below 16 drafting resumes, with
+# the draft blind to the positions computed while it was off: AL 1.93); off from 12, c=8 1.22-1.24x, c=16 0.96x,
+# 1.04x, 0.99x, 1.04x; off from 10, c=8 1.18x, c=16 1.11x (fewer blind resumptions as a wave of requests drains)
+CPU_DISABLE_BATCH_SIZE = 10
+
+MODEL_HELP = "HF checkpoint directory of the target (default: the bundled tiny DeepSeek-V3)"
+# the engine flags a command may leave out (add_cli_args' `without`)
+OPTIONAL_FLAGS = ("--dtype", "--device", "--max-model-len", "--kv-cache-memory")
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """What the engine is built from; each field is the flag of the same name."""
+
+    model: Path = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "cpu"
+    max_num_seqs: int = 16
+    max_model_len: int | None = None  # None: the model's
+    kv_cache_memory: float | None = None  # GiB; None: 0.25 on CPU, 90% of free accelerator memory
+    threads: int | None = None  # None: the rule in eyas.threads
+    # speculative decoding; speculative_method None: decided by speculative_config()
+    speculative_method: str | None = None
+    draft_model: Path | None = None
+    num_speculative_tokens: int = 3
+    num_speculative_tokens_per_batch_size: str | None = None  # JSON, as the flag takes it: read when speculating
+    speculative_disable_batch_size: int | None = None  # None: the device's default; 0: never disable
+    rejection_sampling_strategy: str = "residual"
+    synthetic_acceptance_rate: float | None = None
+    relaxed_thinking: bool = False
+    relaxed_thinking_topk: int = 10
+    relaxed_thinking_delta: float = 0.6
+    allow_unused_draft_weights: bool = False
+    aux_layer_convention: str | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP, max_num_seqs: int = 16,
+                     without: tuple[str, ...] = (), speculative: bool = True, title: str = "engine") -> None:
+        """Add the engine flags to a command's parser. A command that differs says how: its own --model help or
+        --max-num-seqs default, engine flags it does not take (`without`, from OPTIONAL_FLAGS), no speculative
+        flags. --model joins the command's own options; the other engine flags form the group `title`."""
+        unknown = set(without) - set(OPTIONAL_FLAGS)
+        if unknown:
+            raise ValueError(f"add_cli_args: {sorted(unknown)} cannot be left out; expected some of {OPTIONAL_FLAGS}")
+        parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help=model_help)
+        g = parser.add_argument_group(title)
+        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded together")
+        if "--max-model-len" not in without:
+            g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+        if "--kv-cache-memory" not in without:
+            g.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: "
+                           "0.25 on CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
+        if "--dtype" not in without:
+            g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+        if "--device" not in without:
+            g.add_argument("--device", default="cpu", help="cpu or cuda")
+        g.add_argument("--threads", type=int, help=THREADS_HELP)
+        if speculative:
+            _add_speculative_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The settings of a parsed command line; a flag the command does not take keeps the field's default."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The SpeculativeConfig these settings describe, or None for plain decoding. With no speculative_method:
+        eagle when a draft_model is given; for the bundled target, eagle with its bundled MLA draft; otherwise
+        plain."""
+        method, draft = self.speculative_method, self.draft_model
+        if method is None:
+            if draft is not None:
+                method = "eagle"
+            elif Path(self.model).resolve() == DEFAULT_MODEL.resolve() and DEFAULT_DRAFT.is_dir():
+                method, draft = "eagle", DEFAULT_DRAFT
+            else:
+                method = "none"
+        if method == "none":
+            return None
+        # on CPU a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be: there drafting
+        # stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
+        disable = self.speculative_disable_batch_size
+        if disable is None:
+            disable = CPU_DISABLE_BATCH_SIZE if str(self.device).startswith("cpu") else None
+        return SpeculativeConfig(
+            method=method, draft_model=str(draft) if draft else None,
+            num_speculative_tokens=self.num_speculative_tokens,
+            num_speculative_tokens_per_batch_size=_per_batch_size_rules(self.num_speculative_tokens_per_batch_size),
+            disable_batch_size=disable or None, rejection_sampling_strategy=self.rejection_sampling_strategy,
+            synthetic_acceptance_rate=self.synthetic_acceptance_rate, relaxed_thinking=self.relaxed_thinking,
+            relaxed_thinking_topk=self.relaxed_thinking_topk, relaxed_thinking_delta=self.relaxed_thinking_delta,
+            aux_layer_convention=self.aux_layer_convention,
+            allow_unused_draft_weights=self.allow_unused_draft_weights)
+
+    def build_llm(self) -> LLM:
+        """Load the target (and its draft), size the KV cache and set torch's threads."""
+        return LLM(self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
+                   max_model_len=self.max_model_len, kv_cache_memory_gb=self.kv_cache_memory,
+                   speculative_config=self.speculative_config(), threads=self.threads)
+
+
+def _per_batch_size_rules(text: str | None) -> list:
+    if not text:
+        return []
+    try:
+        rules = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--num-speculative-tokens-per-batch-size is not valid JSON ({e})") from e
+    if not isinstance(rules, list):
+        raise ValueError("--num-speculative-tokens-per-batch-size must be a JSON list of "
+                         '{"batch_start": ..., "batch_end": ..., "num_tokens": ...} objects')
+    return rules
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"],
+                   help="eagle: an EAGLE-3 draft head (--draft-model); mtp: the target's own NextN layer; "
+                   "none: plain decoding. Default: eagle when --draft-model is given; for the bundled tiny target, "
+                   "eagle with its bundled MLA draft; otherwise none")
+    s.add_argument("--draft-model", type=Path, help="EAGLE-3 draft directory (vLLM, SGLang, Model Optimizer, MAX "
+                   "or eyas layout; MLA or Llama-style MHA)")
+    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (K)")
+    s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
+                   help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
+                   '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
+    s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
+                   help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
+                   "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
+                   "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
+                   f"Default: {CPU_DISABLE_BATCH_SIZE} on CPU, off on GPUs; 0: never disable")
+    s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
+                   help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
+                   "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
+                   "when sampling); typical: Medusa's typical acceptance (LOSSY: output is not the target's)")
+    s.add_argument("--synthetic-acceptance-rate", type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
+                   "position with this probability regardless of the draft, to measure engine overhead")
+    s.add_argument("--relaxed-thinking", action="store_true", help="LOSSY: inside <think>...</think>, accept a "
+                   "draft among the target's top-k whose log-prob is within delta of the best")
+    s.add_argument("--relaxed-thinking-topk", type=int, default=10)
+    s.add_argument("--relaxed-thinking-delta", type=float, default=0.6)
+    s.add_argument("--allow-unused-draft-weights", action="store_true", help="load a draft whose file holds weights "
+                   "its config does not use (for example fc_norm.* with fc_norm false), dropping them; without it "
+                   "that is an error naming them and the switch that would use them")
+    s.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
+                   help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
+                   "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")
