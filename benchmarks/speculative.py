@@ -56,9 +56,9 @@ def main() -> None:
                "def main():\n    ", "# utility functions\n", "class Error(Exception):\n", "    if not path:\n",
                "import sys\n"]
     if args.prompts:
-        from eyas.cli import _read_prompt_file
+        from eyas.prompts import read_prompt_file
 
-        prompts = _read_prompt_file(args.prompts)
+        prompts = read_prompt_file(args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rate = args.synthetic_acceptance_rate
     print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.engine_args import EngineArgs
+from eyas.prompts import read_prompt_file
 
 if TYPE_CHECKING:
     import httpx
@@ -92,9 +93,7 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 def file_requests(path: Path, num: int | None, output_len: int) -> list[BenchRequest]:
     """JSONL records with a `prompt` string (/v1/completions), chat `messages` or `turns` (/v1/chat/completions;
     the first turn), repeated in order up to `num`."""
-    from eyas.cli import _read_prompt_file
-
-    prompts = _read_prompt_file(path)
+    prompts = read_prompt_file(path)
     num = num or len(prompts)
     return [BenchRequest("completions" if isinstance(p, str) else "chat/completions", p, -1, output_len)
             for p in (prompts[i % len(prompts)] for i in range(num))]

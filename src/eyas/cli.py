@@ -11,35 +11,14 @@ import textwrap
 from pathlib import Path
 
 from eyas.engine_args import EngineArgs
-
-
-def _read_prompt_file(path: Path) -> list[str | list[dict]]:
-    """JSONL, one object per line with a `prompt` string, chat `messages`, or MT-Bench-style `turns` (the first
-    turn is sent as a user message; `eyas eval` files read as they are)."""
-    from eyas.train.data import iter_records
-
-    prompts = []
-    for lineno, record in iter_records(path):
-        turns = record.get("turns")
-        if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record.get("messages"), list):
-            prompts.append(record["messages"])
-        elif isinstance(turns, list) and turns and isinstance(turns[0], str):
-            prompts.append([{"role": "user", "content": turns[0]}])
-        else:
-            raise ValueError(f"{path}:{lineno}: expected an object with a 'prompt' string, a 'messages' list or a "
-                             "'turns' list of strings")
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+from eyas.prompts import read_prompt_file
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from eyas.sampling_params import SamplingParams
 
     if args.prompt_file:
-        prompts = _read_prompt_file(args.prompt_file)
+        prompts = read_prompt_file(args.prompt_file)
     else:
         prompts = list(args.prompt) if args.prompt is not None else ["def fibonacci(n):\n"]
         if args.chat:
