@@ -27,8 +27,8 @@ from starlette.requests import ClientDisconnect
 
 from eyas.engine.llm import LLM
 from eyas.engine_args import EngineArgs
-from eyas.serve.cli import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 from eyas.serve.engine import EngineLoop, EngineRequest, Update
+from eyas.serve.limits import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import (
     ApiError,

@@ -6,11 +6,7 @@ from __future__ import annotations
 import argparse
 
 from eyas.engine_args import EngineArgs
-
-# the default request-body cap (a 2,048-token context is a few KB of text); here, not in app.py, so that building
-# the `eyas` parser imports no FastAPI
-MAX_REQUEST_BYTES = 8 * 2**20
-GRAMMAR_TIMEOUT_S = 5.0  # seconds a request's grammar may take to compile
+from eyas.serve.limits import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 
 
 def _serve(args: argparse.Namespace) -> int:

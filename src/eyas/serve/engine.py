@@ -31,7 +31,7 @@ from eyas.engine.llm import LLM, PromptTooLong
 from eyas.engine.sampling import TokenLogprobs
 from eyas.engine.sequence import Sequence
 from eyas.sampling_params import SamplingParams
-from eyas.serve.cli import GRAMMAR_TIMEOUT_S
+from eyas.serve.limits import GRAMMAR_TIMEOUT_S
 from eyas.serve.metrics import ServerMetrics
 from eyas.serve.protocol import ApiError, LogprobEntry
 
