@@ -98,8 +98,8 @@ class EngineArgs:
                 method = "none"
         if method == "none":
             return None
-        # on CPU a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be: there drafting
-        # stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
+        # unset: on CPU, where a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be,
+        # drafting stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
         disable = self.speculative_disable_batch_size
         if disable is None:
             disable = CPU_DISABLE_BATCH_SIZE if str(self.device).startswith("cpu") else None
