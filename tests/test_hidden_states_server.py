@@ -225,3 +225,28 @@ def test_streamed_training_equals_training_on_the_dump_and_resumes_exactly(setup
     assert losses(setup["root"] / "cut") == losses(setup["root"] / "streamed")
     recipe = (setup["root"] / "cut" / "train_config.yaml").read_text()
     assert "hidden_states_server:" in recipe and "api_key" not in recipe
+
+
+def test_a_dump_split_over_ranks_is_the_whole_dump_once_every_rank_has_written(setup):
+    """Two ranks share OUT_DIR: rank 1 alone leaves no readable dump
+    (the error names the missing part), rank 0 completes it and its manifest lists every shard, each equal to the
+    single-process dump's."""
+    from eyas.train.hidden_states import HiddenStateShards
+
+    out = setup["root"] / "ranks"
+    args = dump_args(setup, out, "--server", setup["server"].url, "--world-size", "2", "--rank", "1")
+    assert args.func(args) == 0
+    assert shards(out) == ["shard-00001.safetensors"] and not (out / "manifest.json").exists()
+    with pytest.raises(HiddenStateError, match="not every rank has finished .*manifest.rank-00001-of-00002.json"):
+        HiddenStateShards(out)
+    args = dump_args(setup, out, "--server", setup["server"].url, "--world-size", "2", "--rank", "0")
+    assert args.func(args) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and [s["file"] for s in manifest["shards"]] == shards(setup["dump"])
+    for name in shards(out):
+        ours, theirs = load_file(str(out / name)), load_file(str(setup["dump"] / name))
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+    assert len(HiddenStateShards(out)) == len(setup["examples"])
+    with pytest.raises(ValueError, match="rank 2 is not in 0..1"):
+        args = dump_args(setup, out, "--world-size", "2", "--rank", "2")
+        args.func(args)

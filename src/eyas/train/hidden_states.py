@@ -100,9 +100,18 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
-def read_manifest(directory: str | Path) -> dict:
-    path = Path(directory) / MANIFEST
+def rank_manifest_name(rank: int, world_size: int) -> str:
+    """The manifest of one rank's part of a dump split over `world_size` processes (`--world-size/--rank`)."""
+    return f"manifest.rank-{rank:05d}-of-{world_size:05d}.json"
+
+
+def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
+    path = Path(directory) / name
     if not path.is_file():
+        parts = sorted(p.name for p in Path(directory).glob("manifest.rank-*.json"))
+        if name == MANIFEST and parts:
+            raise HiddenStateError(f"{path}: no manifest yet: the dump is split over ranks and not every rank has "
+                                   f"finished (written: {', '.join(parts)}); rerun the missing ranks")
         raise HiddenStateError(f"{path}: no manifest; is {directory} a directory written by dump-hidden-states?")
     try:
         manifest = json.loads(path.read_text())
@@ -179,8 +188,10 @@ def pack_shard(examples: Sequence[Example], aux_rows: Sequence[torch.Tensor],
 def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example], out_dir: str | Path,
                        aux_hidden_state_ids: Sequence[int], examples_per_shard: int = 128,
                        dtype: torch.dtype = torch.bfloat16, batch_size: int = 8,
-                       target_path: str | Path | None = None, max_shards: int | None = None) -> dict:
-    """Write the target's aux and last hidden states for `examples` as shards in `out_dir`; returns the manifest.
+                       target_path: str | Path | None = None, max_shards: int | None = None, rank: int = 0,
+                       world_size: int = 1) -> dict:
+    """Write the target's aux and last hidden states for `examples` as shards in `out_dir`; returns the manifest
+    (with `world_size` > 1, this rank's share of the shards: see `write_shards`).
 
     Resumable: shards already listed complete in `out_dir`'s manifest are kept; a manifest from another target,
     other aux ids, other data or other shard settings is refused. `max_shards` stops after writing that many
@@ -196,7 +207,7 @@ def dump_hidden_states(target: DeepseekV3ForCausalLM, examples: Sequence[Example
     def shard(first: int, last: int, progress: tqdm) -> dict[str, torch.Tensor]:
         return _shard_tensors(target, examples[first:last], aux_ids, dtype, batch_size, progress)
 
-    return write_shards(out_dir, manifest, shard, max_shards)
+    return write_shards(out_dir, manifest, shard, max_shards, rank, world_size)
 
 
 def check_dump(config: DeepseekV3Config, examples: Sequence[Example], aux_hidden_state_ids: Sequence[int],
@@ -246,38 +257,45 @@ def new_manifest(config: DeepseekV3Config, target_path: str | Path | None, examp
 
 def write_shards(out_dir: str | Path, manifest: dict,
                  shard_tensors: Callable[[int, int, tqdm], dict[str, torch.Tensor]],
-                 max_shards: int | None = None) -> dict:
+                 max_shards: int | None = None, rank: int = 0, world_size: int = 1) -> dict:
     """Write the shards `manifest` (from `new_manifest`, maybe with more fields) describes into `out_dir`; returns
     the manifest as written. Shard k holds examples [first, last) and is `shard_tensors(first, last, progress)`.
 
     Resumable: shards already listed complete in `out_dir`'s manifest are kept; a manifest that differs in a
-    RESUME_FIELDS field is refused. `max_shards` stops after writing that many shards."""
+    RESUME_FIELDS field is refused. `max_shards` stops after writing that many shards. Split over `world_size`
+    processes (machines sharing `out_dir`), rank r writes the shards k with k % world_size == r and its own
+    manifest (`rank_manifest_name`); whichever rank finds every part complete writes the dump's manifest."""
     out_dir = Path(out_dir)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
     num_shards, examples_per_shard = manifest["num_shards"], manifest["examples_per_shard"]
     num_examples = manifest["num_examples"]
-    manifest_path = out_dir / MANIFEST
+    name = MANIFEST if world_size == 1 else rank_manifest_name(rank, world_size)
+    mine = [k for k in range(num_shards) if k % world_size == rank]
+    manifest_path = out_dir / name
     done: dict[str, dict] = {}
     if manifest_path.exists():
-        old = read_manifest(out_dir)
+        old = read_manifest(out_dir, name)
         _check_resumable(old, manifest, manifest_path)
         for shard in old.get("shards", []):
             file = out_dir / shard["file"]
             if file.is_file() and file.stat().st_size == shard["bytes"]:
                 done[shard["file"]] = shard
         if done:
-            log.warning("%s: resuming a dump, %d of %d shards already written", out_dir, len(done), num_shards)
-    elif out_dir.is_dir() and any(out_dir.glob("shard-*.safetensors")):
+            log.warning("%s: resuming a dump, %d of %d shards already written", out_dir, len(done), len(mine))
+    elif world_size == 1 and out_dir.is_dir() and any(out_dir.glob("shard-*.safetensors")):
         raise HiddenStateError(f"{out_dir}: holds shard files but no {MANIFEST}; refusing to overwrite them "
                                "(use another OUT_DIR, or delete it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest["shards"] = sorted(done.values(), key=lambda s: s["first_example"])
-    manifest["complete"] = len(done) == num_shards
+    manifest["complete"] = len(done) == len(mine)
     _write_json(manifest_path, manifest)
 
     written = 0
     tokens_done = sum(s["num_tokens"] for s in done.values())
-    with tqdm(total=manifest["total_tokens"], initial=tokens_done, unit="tok", desc="hidden states") as progress:
-        for k in range(num_shards):
+    tokens_mine = manifest["total_tokens"] * len(mine) // num_shards  # about, for the progress bar
+    with tqdm(total=tokens_mine, initial=tokens_done, unit="tok", desc="hidden states") as progress:
+        for k in mine:
             name = f"shard-{k:05d}.safetensors"
             if name in done:
                 continue
@@ -293,10 +311,30 @@ def write_shards(out_dir: str | Path, manifest: dict,
                                        "num_tokens": int(tensors["input_ids"].shape[0]),
                                        "bytes": (out_dir / name).stat().st_size})
             manifest["shards"].sort(key=lambda s: s["first_example"])
-            manifest["complete"] = len(manifest["shards"]) == num_shards
+            manifest["complete"] = len(manifest["shards"]) == len(mine)
             _write_json(manifest_path, manifest)
             written += 1
+    if world_size > 1 and manifest["complete"]:
+        return _merge_ranks(out_dir, manifest, world_size)
     return manifest
+
+
+def _merge_ranks(out_dir: Path, manifest: dict, world_size: int) -> dict:
+    """The dump's manifest from its ranks' parts once all are complete (else this rank's part, unchanged)."""
+    parts = []
+    for r in range(world_size):
+        path = out_dir / rank_manifest_name(r, world_size)
+        if not path.is_file():
+            return manifest
+        part = read_manifest(out_dir, path.name)
+        _check_resumable(manifest, part, path)
+        if not part["complete"]:
+            return manifest
+        parts.append(part)
+    merged = {**manifest, "shards": sorted((s for p in parts for s in p["shards"]), key=lambda s: s["first_example"])}
+    merged["complete"] = len(merged["shards"]) == manifest["num_shards"]
+    _write_json(out_dir / MANIFEST, merged)
+    return merged
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
@@ -439,13 +477,18 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
         states = ServerHiddenStates(client, aux_ids, L, config.hidden_size, keep_files=args.keep_server_files)
         manifest = dump_from_server(states, examples, args.out_dir, config, args.model,
                                     examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
-                                    concurrency=args.concurrency)
+                                    concurrency=args.concurrency, rank=args.rank, world_size=args.world_size)
     else:
         target = load_model(args.model, dtype=args.target_dtype, device=args.device)
         configure_threads(target, args.threads)
         manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids,
                                       examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
-                                      batch_size=args.batch_size, target_path=args.model)
+                                      batch_size=args.batch_size, target_path=args.model, rank=args.rank,
+                                      world_size=args.world_size)
+    if not manifest["complete"] or args.world_size > 1 and len(manifest["shards"]) < manifest["num_shards"]:
+        print(f"rank {args.rank} of {args.world_size}: wrote its {len(manifest['shards'])} shards to "
+              f"{args.out_dir}; the dump's manifest.json is written once every rank has finished")
+        return 0
     given = (f" (given as {args.aux_layer_convention} ids {args.aux_layer_ids})"
              if args.aux_layer_ids and args.aux_layer_convention != "hidden_states" else "")
     print(f"wrote {manifest['num_examples']} examples ({manifest['total_tokens']} tokens, "
@@ -482,6 +525,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "bfloat16 on GPU), float32, bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help=THREADS_HELP)
+    p.add_argument("--world-size", type=int, default=1, help="split the dump over this many processes or machines "
+                   "sharing OUT_DIR: each writes every world-size-th shard")
+    p.add_argument("--rank", type=int, default=0, help="this process's share, 0..world-size-1")
     g = p.add_argument_group("from a running vLLM (a target this machine cannot hold)")
     g.add_argument("--server", metavar="URL", help="fetch the states from this vLLM, started with the command "
                    "--print-vllm-command prints; the target is not loaded here (--model gives its config and "

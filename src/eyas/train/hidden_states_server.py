@@ -126,7 +126,8 @@ class ServerHiddenStates:
 
 def dump_from_server(states: ServerHiddenStates, examples: Sequence[Example], out_dir: str | Path,
                      config: DeepseekV3Config, target_path: str | Path | None, examples_per_shard: int = 128,
-                     dtype: torch.dtype = torch.bfloat16, concurrency: int = 8, max_shards: int | None = None) -> dict:
+                     dtype: torch.dtype = torch.bfloat16, concurrency: int = 8, max_shards: int | None = None,
+                     rank: int = 0, world_size: int = 1) -> dict:
     """`dump_hidden_states` with the states fetched from the server, `concurrency` requests at a time: the same
     shards and manifest (plus where they came from), resumable the same way."""
     if concurrency < 1:
@@ -145,7 +146,7 @@ def dump_from_server(states: ServerHiddenStates, examples: Sequence[Example], ou
             rows = list(pool.map(one, examples[first:last]))
             return pack_shard(examples[first:last], [aux for aux, _ in rows], [last for _, last in rows])
 
-        return write_shards(out_dir, manifest, shard, max_shards)
+        return write_shards(out_dir, manifest, shard, max_shards, rank, world_size)
 
 
 class StreamedHiddenStates:
