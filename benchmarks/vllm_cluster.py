@@ -102,9 +102,6 @@ def largest_relative(a: list[float], b: list[float]) -> float:
 
 
 def hidden_states(args: argparse.Namespace, work: Path, data: Path) -> dict:
-    site = work / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     storage = work / "hs"
     storage.mkdir(exist_ok=True)
     # the flags of the printed command, in the form the benchmark's server launcher takes
@@ -112,8 +109,8 @@ def hidden_states(args: argparse.Namespace, work: Path, data: Path) -> dict:
     extra = [w.strip("'") for w in words[words.index("--speculative-config"):]]
     train = ["--target", str(TARGET), "--max-steps", str(args.train_steps), "--warmup-steps", "5",
              "--draft-vocab-size", "0", "--batch-size", "4", "--max-length", "512", "--seed", "0"]
-    server, url = start_vllm(args, None, work / "vllm-extract.log", extra=extra,
-                             env_extra={"PYTHONPATH": str(site)}, max_num_seqs=4)
+    server, url = start_vllm(args, None, work / "vllm-extract.log", extra=extra, sitecustomize=SITECUSTOMIZE,
+                             max_num_seqs=4)
     try:
         server_s = eyas("dump-hidden-states", str(data), str(work / "dump-vllm"), "--server", url,
                         "--dtype", "float32", "--concurrency", "4", "--max-length", "512")

@@ -128,19 +128,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# on a CPU with AMX, vLLM runs MLA (target and draft) with its AMX kernel, which takes no float32 weights
+NO_AMX = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
+
+
 def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: list[str] | None = None,
-               env_extra: dict[str, str] | None = None, max_num_seqs: int = 1) -> tuple[subprocess.Popen, str]:
-    """A vLLM server for the bundled target (with `draft` as its EAGLE-3 draft, and `extra` arguments); its URL."""
+               sitecustomize: str = "", max_num_seqs: int = 1) -> tuple[subprocess.Popen, str]:
+    """A vLLM server for the bundled target (with `draft` as its EAGLE-3 draft, and `extra` arguments); its URL.
+    Every vLLM process runs NO_AMX and `sitecustomize` first (a sitecustomize.py on its PYTHONPATH)."""
     port = free_port()
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
                "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
-               # on a CPU with AMX vLLM picks its AMX MLA kernel, which takes no float32 weights
-               "--attention-backend", "CPU_MLA", *(extra or [])]
+               "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), *(extra or [])]
     if draft is not None:
         command += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
                                                          "num_speculative_tokens": args.num_speculative_tokens})]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1", **(env_extra or {}))
+    site = log.with_name(log.stem + "-site")
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(NO_AMX + sitecustomize)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(site))
     # the virtualenv's own lib/ (not resolved: its python is a link to the base interpreter)
     libiomp = next(Path(args.vllm_python).absolute().parents[1].rglob("libiomp5.so"), None)
     if libiomp is not None:
