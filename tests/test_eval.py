@@ -136,6 +136,40 @@ def test_eval_through_a_server_equals_in_process_eval(tmp_path):
     overall = remote["overall"]  # every request returned tokens: those after each one's first, per verify step
     assert overall["acceptance_length_returned"] == round((overall["generated_tokens"] - overall["requests"])
                                                           / overall["verify_steps"], 4)
+    with running(LLM(target, max_num_seqs=1, speculative_method="mtp"), api_key=None) as (url, _):
+        grouped = evaluate_by_server(ServerClient(url), records * 2, params, concurrency=3)
+    for key in ("verify_steps", "accepted_drafts", "requests", "generated_tokens"):  # every record twice
+        assert grouped["overall"][key] == 2 * local["overall"][key], key
+    for key in ("acceptance_length", "accepted_per_position"):
+        assert grouped["overall"][key] == local["overall"][key], key
+    assert grouped["overall"]["acceptance_length_non_repetitive"] is None  # no per-request split when grouped
     with running(LLM(target, max_num_seqs=1), api_key=None) as (url, _):  # a server that does not speculate
         with pytest.raises(ServerError, match="no vllm:spec_decode_num_drafts counter"):
             evaluate_by_server(ServerClient(url), records[:1], params)
+
+
+def test_eval_reads_sglang_per_response_counts_when_there_are_no_counters():
+    """SGLang: no /metrics, each response's meta_info has spec_verify_ct (and an acceptance histogram): AL is
+    completion tokens / verify steps, position k accepted in the steps that accepted k drafts or more."""
+    import httpx
+
+    from eyas.client import ServerClient
+    from eyas.eval.acceptance import evaluate_by_server
+
+    def sglang(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(404, text="Not Found")
+        # 10 tokens in 4 verify steps: 2 steps accepted 1 draft, 2 accepted 2 (2 + 2 + 3 + 3 = 10)
+        return httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "length"}],
+                                         "usage": {"completion_tokens": 10},
+                                         "meta_info": {"spec_verify_ct": 4, "spec_accept_histogram": [0, 2, 2]}})
+
+    client = ServerClient("http://sglang:30000", transport=httpx.MockTransport(sglang))
+    records = [{"category": "code", "prompt": "def f(x):\n", "turns": None}] * 2
+    for concurrency in (1, 2):
+        overall = evaluate_by_server(client, records, SamplingParams(temperature=0, max_tokens=10),
+                                     concurrency)["overall"]
+        assert (overall["requests"], overall["verify_steps"], overall["accepted_drafts"]) == (2, 8, 12)
+        assert overall["acceptance_length"] == 2.5 and overall["accepted_per_position"] == [1.0, 0.5]

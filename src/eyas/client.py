@@ -36,6 +36,10 @@ def parse_spec_counters(text: str) -> dict[str, float]:
 class ServerError(ValueError):
     """A server that refused, failed or could not be reached, naming the URL and what happened."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status, when the server answered
+
 
 @dataclass(slots=True)
 class ChatResult:
@@ -43,6 +47,10 @@ class ChatResult:
     completion_tokens: int
     finish_reason: str
     token_ids: list[int] | None = None  # when the server returns them (vLLM and eyas do with return_token_ids)
+    # SGLang's own count for this response (meta_info.spec_verify_ct), when it gives one: verify steps, and how many
+    # of them accepted 0, 1, 2, ... drafts (spec_accept_histogram)
+    spec_verify_steps: int | None = None
+    spec_accept_histogram: list[int] | None = None
 
 
 class ServerClient:
@@ -70,7 +78,7 @@ class ServerClient:
                 if r.status_code < 400:
                     return r.json() if path != "/metrics" else r.text
                 if r.status_code not in RETRIED_STATUSES or attempt == self.retries:
-                    raise ServerError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+                    raise ServerError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
             time.sleep(self.backoff * 2 ** attempt)
         raise AssertionError("unreachable")
 
@@ -93,12 +101,22 @@ class ServerClient:
         data = self.request("POST", path, body)
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
+        meta = data.get("meta_info") or choice.get("meta_info") or {}
+        steps = meta.get("spec_verify_ct")
+        histogram = meta.get("spec_accept_histogram")
         return ChatResult(text or "", data["usage"]["completion_tokens"], choice["finish_reason"],
-                          choice.get("token_ids"))
+                          choice.get("token_ids"), int(steps) if steps is not None else None,
+                          [int(h) for h in histogram] if histogram else None)
 
     def spec_counters(self) -> dict[str, float]:
-        """The speculative-decoding counters of the server's /metrics (see parse_spec_counters)."""
-        return parse_spec_counters(self.request("GET", "/metrics"))
+        """The speculative-decoding counters of the server's /metrics (see parse_spec_counters); {} when it serves
+        no /metrics (SGLang without --enable-metrics)."""
+        try:
+            return parse_spec_counters(self.request("GET", "/metrics"))
+        except ServerError as e:
+            if e.status == 404:
+                return {}
+            raise
 
     def close(self) -> None:
         self.http.close()

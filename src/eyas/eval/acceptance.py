@@ -18,7 +18,9 @@ import json
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from eyas.engine_args import EngineArgs
@@ -105,44 +107,92 @@ class ServerOutput:
     num_accepted: int
     accepted_counts: list[int]
     token_ids: list[int]
+    num_requests: int = 1  # more when concurrent requests are counted together
 
 
-def evaluate_by_server(client, records: list[dict], params: SamplingParams) -> dict:
-    """`evaluate` for a target served elsewhere (vLLM, SGLang with metrics, MAX, eyas serve): every request alone,
-    turn by turn, so the deltas of the server's spec-decode counters around a request are that request's.
+def evaluate_by_server(client, records: list[dict], params: SamplingParams, concurrency: int = 1) -> dict:
+    """`evaluate` for a target served elsewhere (vLLM, MAX, eyas serve, SGLang). Acceptance comes from the deltas
+    of the server's vLLM spec-decode counters around each request, so by default requests go one at a time (turn by
+    turn). With `concurrency` N the records of each category go N at a time and the deltas around each group count
+    for the group: the same totals per category, but no per-request split (the non-repetitive figures are then
+    None). A server without those counters that counts each response itself (SGLang's meta_info.spec_verify_ct) is
+    read per response, at any concurrency.
 
     Beside AL (1 + accepted / drafts, as the counters count: vLLM also counts drafts accepted past max_tokens) the
     report gives `acceptance_length_returned`: tokens the responses returned after their first, per verify step."""
-    from eyas.client import ServerError
-
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     counts: dict[str, dict] = defaultdict(lambda: {**_totals(), "non_repetitive": _totals(), "returned": 0})
+    by_category: dict[str, list[dict]] = defaultdict(list)
     for record in records:
-        history: list[dict] = []
-        for turn in record["turns"] or [None]:
-            before = client.spec_counters()
-            if turn is None:
-                result = client.completion(record["prompt"], params.max_tokens, params.temperature, params.seed)
-            else:
-                history.append({"role": "user", "content": turn})
-                result = client.chat(history, params.max_tokens, params.temperature, params.seed)
-                history.append({"role": "assistant", "content": result.text})
-            after = client.spec_counters()
-            if "vllm:spec_decode_num_drafts" not in after:
-                raise ServerError(f"{client.url}/metrics has no vllm:spec_decode_num_drafts counter: the server is "
-                                  "not speculating, or does not export vLLM's spec-decode metrics")
-            delta = {k: int(after[k] - before.get(k, 0)) for k in after}
-            positions = sorted(int(k.split(":")[1]) for k in delta if k.startswith("per_pos:"))
-            out = ServerOutput(result.completion_tokens, delta["vllm:spec_decode_num_drafts"],
-                               delta.get("vllm:spec_decode_num_accepted_tokens", 0),
-                               [delta[f"per_pos:{k}"] for k in positions], result.token_ids or [])
-            repetitive = is_repetitive(out.token_ids)
-            for key in (record["category"], "overall"):
-                _add(counts[key], out)
-                counts[key]["returned"] += max(0, out.num_generated - 1)
-                if not repetitive:
-                    _add(counts[key]["non_repetitive"], out)
+        by_category[record["category"]].append(record)
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="eyas-eval") as pool:
+        for category, group in by_category.items():
+            for first in range(0, len(group), concurrency):
+                before = client.spec_counters()
+                converse = partial(_converse, client, params=params, alone=concurrency == 1, before=before)
+                results = [r for turns in pool.map(converse, group[first:first + concurrency]) for r in turns]
+                outputs = [out for out, _ in results if out is not None]
+                if len(outputs) < len(results):  # counted by the server's counters, all requests together
+                    outputs = [_from_counters(client, before, client.spec_counters(), [r for _, r in results])]
+                for out in outputs:
+                    split = is_repetitive(out.token_ids) if out.num_requests == 1 else None
+                    for key in (category, "overall"):
+                        _add(counts[key], out)
+                        counts[key]["returned"] += max(0, out.num_generated - out.num_requests)
+                        if split is None:
+                            counts[key]["non_repetitive"] = None
+                        elif not split and counts[key]["non_repetitive"] is not None:
+                            _add(counts[key]["non_repetitive"], out)
     return {"categories": {c: _summary(counts[c]) for c in sorted(counts) if c != "overall"},
             "overall": _summary(counts["overall"])}
+
+
+def _converse(client, record: dict, params: SamplingParams, alone: bool, before: dict) -> list[tuple]:
+    """Send a record's turns in order: per turn (its ServerOutput or None, its ChatResult). `alone`: no other
+    request runs meanwhile, so each turn is measured by the counters' deltas around it."""
+    out, history = [], []
+    for turn in record["turns"] or [None]:
+        if alone and out:
+            before = client.spec_counters()
+        if turn is None:
+            result = client.completion(record["prompt"], params.max_tokens, params.temperature, params.seed)
+        else:
+            history.append({"role": "user", "content": turn})
+            result = client.chat(history, params.max_tokens, params.temperature, params.seed)
+            history.append({"role": "assistant", "content": result.text})
+        if result.spec_verify_steps is not None:
+            out.append((_from_response(result), result))
+        elif alone:
+            out.append((_from_counters(client, before, client.spec_counters(), [result]), result))
+        else:
+            out.append((None, result))
+    return out
+
+
+def _from_response(result) -> ServerOutput:
+    """SGLang's count of one response: completion tokens / verify steps is its AL; spec_accept_histogram[i] is
+    the steps that accepted i drafts, so position k was accepted in the steps that accepted k or more."""
+    steps = result.spec_verify_steps
+    histogram = result.spec_accept_histogram or []
+    per_position = [sum(histogram[k:]) for k in range(1, len(histogram))]
+    return ServerOutput(result.completion_tokens, steps, result.completion_tokens - steps, per_position,
+                        result.token_ids or [])
+
+
+def _from_counters(client, before: dict, after: dict, results: list) -> ServerOutput:
+    from eyas.client import ServerError
+
+    if "vllm:spec_decode_num_drafts" not in after:
+        raise ServerError(f"{client.url}/metrics has no vllm:spec_decode_num_drafts counter and its responses carry "
+                          "no meta_info.spec_verify_ct: the server is not speculating, or reports acceptance in a "
+                          "way eyas does not read")
+    delta = {k: int(after[k] - before.get(k, 0)) for k in after}
+    positions = sorted(int(k.split(":")[1]) for k in delta if k.startswith("per_pos:"))
+    return ServerOutput(sum(r.completion_tokens for r in results), delta["vllm:spec_decode_num_drafts"],
+                        delta.get("vllm:spec_decode_num_accepted_tokens", 0),
+                        [delta[f"per_pos:{k}"] for k in positions],
+                        results[0].token_ids or [] if len(results) == 1 else [], len(results))
 
 
 def _totals() -> dict:
@@ -150,7 +200,7 @@ def _totals() -> dict:
 
 
 def _add(c: dict, out) -> None:
-    c["requests"] += 1
+    c["requests"] += getattr(out, "num_requests", 1)
     c["generated_tokens"] += out.num_generated
     c["verify_steps"] += out.num_verify_steps
     c["accepted_drafts"] += out.num_accepted
@@ -166,7 +216,9 @@ def _summary(c: dict) -> dict:
                "accepted_drafts": c["accepted_drafts"],
                "acceptance_length": round(1 + c["accepted_drafts"] / steps, 4) if steps else 1.0,
                "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
-    if "non_repetitive" in c:
+    if "non_repetitive" in c and c["non_repetitive"] is None:  # concurrent requests counted together
+        summary.update(repetitive_outputs=None, repetitive_share=None, acceptance_length_non_repetitive=None)
+    elif "non_repetitive" in c:
         other = _summary(c["non_repetitive"])
         summary["repetitive_outputs"] = c["requests"] - other["requests"]
         summary["repetitive_share"] = round(summary["repetitive_outputs"] / c["requests"], 4) if c["requests"] else 0.0
@@ -269,8 +321,12 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
     p.add_argument("--server", metavar="URL", help="measure a running server instead (vLLM, SGLang, MAX, eyas "
-                   "serve; e.g. http://127.0.0.1:8000): requests one at a time, acceptance from the deltas of its "
-                   "vllm:spec_decode_* counters; the speculative options and --speed-prompts do not apply")
+                   "serve; e.g. http://127.0.0.1:8000): acceptance from the deltas of its vllm:spec_decode_* "
+                   "counters (SGLang: each response's meta_info.spec_verify_ct); the speculative options and "
+                   "--speed-prompts do not apply")
+    p.add_argument("--concurrency", type=int, default=1, help="with --server: requests in flight; above 1 a "
+                   "category's counters are read around each group of requests, so there is no per-request split "
+                   "into repetitive and not")
     p.add_argument("--served-model-name", help="with --server: the model to send (default: the first of /v1/models)")
     p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
     p.add_argument("--speed-prompts", type=int, default=8, help="also time this many prompts (spread over the "
@@ -324,16 +380,18 @@ def _eval_by_server(args: argparse.Namespace) -> int:
     records = read_prompts(args.prompts)
     client = ServerClient(args.server, args.served_model_name, args.api_key)
     try:
-        report = evaluate_by_server(client, records, _params(args))
+        report = evaluate_by_server(client, records, _params(args), args.concurrency)
     finally:
         client.close()
-    report["settings"] = {"server": args.server, "model": client.model, "temperature": args.temperature,
+    report["settings"] = {"server": args.server, "model": client.model, "concurrency": args.concurrency,
+                          "temperature": args.temperature,
                           "max_new_tokens": args.max_new_tokens, "prompts": str(args.prompts)}
     _write_report(report, args.out, f"{client.model} served at {args.server}")
     overall = report["overall"]
+    non_repetitive = overall["acceptance_length_non_repetitive"]
+    split = f"; {non_repetitive:.2f} over the non-repetitive outputs" if non_repetitive is not None else ""
     print(f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests (from the "
-          f"tokens returned: {overall['acceptance_length_returned']:.2f}; "
-          f"{overall['acceptance_length_non_repetitive']:.2f} over the non-repetitive outputs)", file=sys.stderr)
+          f"tokens returned: {overall['acceptance_length_returned']:.2f}{split})", file=sys.stderr)
     return 0
 
 
