@@ -122,3 +122,61 @@ def test_client_retries_with_backoff_then_names_the_url_and_status():
     with pytest.raises(ServerError, match=r"http://cluster:8000/v1/models: ConnectError: connection refused "
                                           r"\(after 2 tries\)"):
         ServerClient("http://cluster:8000", retries=1, backoff=0, transport=httpx.MockTransport(down))
+
+
+@pytest.mark.parametrize("failure", ["5xx", "timeout", "dropped"])
+def test_a_server_that_fails_mid_run_stops_it_naming_why_with_the_records_done_kept(tmp_path, capsys, failure):
+    """A server answers the first 4 requests (2 conversations), then fails: 500s, answers too slowly, or drops the
+    connection. regenerate exits non-zero with the URL and what happened, and the two finished records stay."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answered = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply(200, {"data": [{"id": "m"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if len(answered) >= 4:
+                if failure == "timeout":
+                    time.sleep(1.0)
+                elif failure == "dropped":
+                    server.shutdown_request(self.request)
+                    return
+                self.reply(500, {"error": {"message": "engine died"}})
+                return
+            answered.append(1)
+            self.reply(200, {"choices": [{"message": {"content": f"answer {len(answered)}"},
+                                          "finish_reason": "stop"}], "usage": {"completion_tokens": 2}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    data = tmp_path / "in.jsonl"
+    two_turns = CONVERSATIONS[0]["messages"][1:]  # user, assistant, user, assistant: 2 requests each
+    data.write_text("".join(json.dumps({"messages": two_turns}) + "\n" for _ in range(4)))
+    out = tmp_path / "out.jsonl"
+    try:
+        code = cli(["regenerate", str(data), str(out), "--server", url, "--concurrency", "1", "--retries", "1",
+                    "--request-timeout", "0.3"])
+    finally:
+        server.shutdown()
+    message = capsys.readouterr().err
+    assert code == 2 and url in message, message
+    assert {"5xx": "HTTP 500", "timeout": "ReadTimeout", "dropped": "after 2 tries"}[failure] in message, message
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][1]["content"] for r in kept] == ["answer 1", "answer 3"]

@@ -120,3 +120,25 @@ class ServerClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def add_server_args(parser, concurrency: int, concurrency_help: str) -> None:
+    """The flags every command that talks to a running server shares (beside its own --server URL)."""
+    parser.add_argument("--served-model-name", help="with --server: the model name to send (default: the first of "
+                        "its /v1/models)")
+    parser.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--concurrency", type=int, default=concurrency, help=f"with --server: {concurrency_help}")
+    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="with --server: seconds "
+                        "one request may take")
+    parser.add_argument("--retries", type=int, default=4, help="with --server: tries after the first for a request "
+                        "that fails to connect, times out or gets 429/5xx, waiting 1, 2, 4, ... s between them")
+
+
+def client_from_args(args) -> ServerClient:
+    """The ServerClient for `--server` and the flags of `add_server_args`."""
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency is {args.concurrency}; expected at least 1")
+    if args.retries < 0 or args.request_timeout <= 0:
+        raise ValueError("--retries must be at least 0 and --request-timeout positive")
+    return ServerClient(args.server, args.served_model_name, args.api_key, timeout=args.request_timeout,
+                        retries=args.retries)

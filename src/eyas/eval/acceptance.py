@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from eyas.client import add_server_args
 from eyas.engine_args import EngineArgs
 from eyas.sampling_params import SamplingParams
 
@@ -324,11 +325,8 @@ def add_cli(subparsers) -> None:
                    "serve; e.g. http://127.0.0.1:8000): acceptance from the deltas of its vllm:spec_decode_* "
                    "counters (SGLang: each response's meta_info.spec_verify_ct); the speculative options and "
                    "--speed-prompts do not apply")
-    p.add_argument("--concurrency", type=int, default=1, help="with --server: requests in flight; above 1 a "
-                   "category's counters are read around each group of requests, so there is no per-request split "
-                   "into repetitive and not")
-    p.add_argument("--served-model-name", help="with --server: the model to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
+    add_server_args(p, 1, "requests in flight; above 1 a category's counters are read around each group of "
+                    "requests, so there is no per-request split into repetitive and not")
     p.add_argument("--speed-prompts", type=int, default=8, help="also time this many prompts (spread over the "
                    "file, first turns) one at a time, plain and speculative on the same engine, and report the "
                    "speedup; 0: skip")
@@ -375,10 +373,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_by_server(args: argparse.Namespace) -> int:
-    from eyas.client import ServerClient
+    from eyas.client import client_from_args
 
     records = read_prompts(args.prompts)
-    client = ServerClient(args.server, args.served_model_name, args.api_key)
+    client = client_from_args(args)
     try:
         report = evaluate_by_server(client, records, _params(args), args.concurrency)
     finally:

@@ -470,10 +470,10 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
         max_length = config.max_position_embeddings
     examples = load_dataset(args.data, tokenizer, max_length)
     if args.server:
-        from eyas.client import ServerClient
+        from eyas.client import client_from_args
         from eyas.train.hidden_states_server import ServerHiddenStates, dump_from_server
 
-        client = ServerClient(args.server, args.served_model_name, args.api_key, timeout=args.request_timeout)
+        client = client_from_args(args)
         states = ServerHiddenStates(client, aux_ids, L, config.hidden_size, keep_files=args.keep_server_files)
         manifest = dump_from_server(states, examples, args.out_dir, config, args.model,
                                     examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
@@ -528,6 +528,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1, help="split the dump over this many processes or machines "
                    "sharing OUT_DIR: each writes every world-size-th shard")
     p.add_argument("--rank", type=int, default=0, help="this process's share, 0..world-size-1")
+    from eyas.client import add_server_args
+
     g = p.add_argument_group("from a running vLLM (a target this machine cannot hold)")
     g.add_argument("--server", metavar="URL", help="fetch the states from this vLLM, started with the command "
                    "--print-vllm-command prints; the target is not loaded here (--model gives its config and "
@@ -536,10 +538,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "ids, and exit")
     g.add_argument("--vllm-storage", type=Path, default=Path("/tmp/eyas-hidden-states"), help="directory the "
                    "server writes one file per request into; this machine must see it at the same path")
-    g.add_argument("--served-model-name", help="the server's model name (default: the first of its /v1/models)")
-    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    add_server_args(g, 8, "requests in flight")
     g.add_argument("--keep-server-files", action="store_true", help="leave the server's files in place once read "
                    "(by default each is deleted: the shards hold the same states)")
     p.set_defaults(func=cmd_dump_hidden_states)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eyas.client import add_server_args
 from eyas.engine_args import EngineArgs
 from eyas.sampling_params import SamplingParams
 from eyas.train.data import iter_records, normalize_record
@@ -103,10 +104,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--server", metavar="URL", help="answer through this running OpenAI-compatible server (vLLM, "
                    "SGLang, MAX, eyas serve; e.g. http://127.0.0.1:8000) instead of loading --model here")
-    p.add_argument("--served-model-name", help="with --server: the model name to send (default: the first of its "
-                   "/v1/models)")
-    p.add_argument("--api-key", help="with --server: sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--concurrency", type=int, default=8, help="with --server: conversations in flight at once")
+    add_server_args(p, 8, "conversations in flight at once")
     p.set_defaults(func=_cmd_regenerate)
 
 
@@ -151,11 +149,9 @@ def _regenerate_by_server(args: argparse.Namespace, conversations: list[list[dic
                           params: SamplingParams) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    from eyas.client import ServerClient
+    from eyas.client import client_from_args
 
-    if args.concurrency < 1:
-        raise ValueError(f"--concurrency is {args.concurrency}; expected at least 1")
-    client = ServerClient(args.server, args.served_model_name, args.api_key)
+    client = client_from_args(args)
     bar = tqdm(total=_answers(conversations), initial=_answers(conversations[:done]), desc="regenerate",
                unit="answer")
     todo = range(done, len(conversations))
