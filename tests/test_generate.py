@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from tiny import YARN, make_hf_checkpoint
+from tiny import YARN, copy_tokenizer, make_hf_checkpoint
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
@@ -24,8 +24,7 @@ def text_checkpoint(tmp_path_factory):
     """A random checkpoint with the shipped tokenizer's vocabulary, so text prompts encode."""
     path = tmp_path_factory.mktemp("text_ckpt")
     make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, path / name)
+    copy_tokenizer(path)
     return path
 
 

@@ -6,7 +6,6 @@ capture, so the dump must equal eyas's in-process dump bit for bit."""
 import fcntl
 import json
 import os
-import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,11 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas.cli import parse_args
 from eyas.client import ServerClient, ServerError
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.train.hidden_states import HiddenStateError, capture_hidden_states, dump_hidden_states
 from eyas.train.hidden_states_server import ServerHiddenStates, vllm_command
 
@@ -90,8 +88,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("server_states")
     target_dir = root / "target"
     make_hf_checkpoint(target_dir, vocab_size=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, target_dir / name)
+    copy_tokenizer(target_dir)
     records = [{"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
                              {"role": "assistant", "content": f"    return a + b + {i}\n"}]} for i in range(7)]
     data = root / "data.jsonl"

@@ -9,10 +9,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas.cli import parse_args
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.train.hidden_states import HiddenStateError, HiddenStateShards, capture_hidden_states, dump_hidden_states
 from eyas.train.trainer import TrainConfig, collate, target_features, train
 
@@ -29,8 +28,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("import")
     target_dir = root / "target"
     make_hf_checkpoint(target_dir, vocab_size=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, target_dir / name)
+    copy_tokenizer(target_dir)
     records = []
     for i in range(6):
         records.append({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},

@@ -3,7 +3,6 @@ stage, a rerun skips the stages already done and resumes the one that was cut.""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +10,8 @@ import time
 
 import pytest
 import yaml
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.pipeline import PipelineError, read_recipe, stage_commands
 
 
@@ -22,8 +20,7 @@ def recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     target = root / "target"
     make_hf_checkpoint(target, vocab_size=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, target / name)
+    copy_tokenizer(target)
     data = root / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
                                                      {"role": "assistant", "content": "    return a + b\n"}]}) + "\n"

@@ -1,14 +1,12 @@
 """`eyas regenerate`: assistant turns replaced by the target's own answers; interrupted runs resume."""
 
 import json
-import shutil
 
 import pytest
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.train.regenerate import regenerate
 
 CONVERSATIONS = [
@@ -24,8 +22,7 @@ CONVERSATIONS = [
 def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
     make_hf_checkpoint(path, vocab_size=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, path / name)
+    copy_tokenizer(path)
     return path
 
 

@@ -9,9 +9,8 @@ import sys
 import time
 
 import pytest
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
-from eyas.engine.llm import DEFAULT_MODEL
 from eyas.train.trainer import TrainConfig, train
 
 
@@ -20,8 +19,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     target = root / "target"
     make_hf_checkpoint(target, vocab_size=8192)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, target / name)
+    copy_tokenizer(target)
     data = root / "data.jsonl"
     lines = []
     for i in range(24):

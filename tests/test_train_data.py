@@ -4,11 +4,10 @@ import argparse
 import copy
 import json
 import pickle
-import shutil
 
 import pytest
 import torch
-from tiny import make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.engine.llm import DEFAULT_MODEL, load_tokenizer
@@ -33,8 +32,7 @@ def target_dir(tmp_path_factory):
     """A random 8-layer target with the shipped tokenizer's vocabulary, so text encodes."""
     path = tmp_path_factory.mktemp("target")
     ref = make_hf_checkpoint(path, vocab_size=8192, num_hidden_layers=L)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_MODEL / name, path / name)
+    copy_tokenizer(path)
     return path, ref
 
 

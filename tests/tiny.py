@@ -48,17 +48,22 @@ def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def make_served_checkpoint(path: Path) -> Path:
-    """A random target with the shipped tokenizer (its chat template too) and an MTP layer: what the server and
-    structured-output tests run."""
+def copy_tokenizer(path: Path) -> None:
+    """The shipped tokenizer (and its chat template) into checkpoint directory `path`."""
     import shutil
-
-    from test_checkpoint import add_mtp_weights
 
     from eyas.engine.llm import DEFAULT_MODEL
 
-    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
-    add_mtp_weights(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL / name, path / name)
+
+
+def make_served_checkpoint(path: Path) -> Path:
+    """A random target with the shipped tokenizer (its chat template too) and an MTP layer: what the server and
+    structured-output tests run."""
+    from test_checkpoint import add_mtp_weights
+
+    make_hf_checkpoint(path, vocab_size=8192, rope_parameters=YARN)
+    add_mtp_weights(path)
+    copy_tokenizer(path)
     return path
