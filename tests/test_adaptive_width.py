@@ -1,0 +1,56 @@
+"""The adaptive verify width: untimed widths tried widest first, then the width with the most tokens per second
+kept (with a margin against flapping), the widest probed every probe_every steps, buckets by powers of two."""
+
+import pytest
+
+from eyas.engine.adaptive_width import AdaptiveWidth, bucket_of
+
+TIMES = {0: 0.010, 1: 0.014, 2: 0.017, 3: 0.021}  # the worked example in the module
+ACCEPTED = [3, 2, 2, 1, 0]  # five sequences' accepted drafts at width 3: q = 0.8, 0.6, 0.2
+
+
+def run(policy: AdaptiveWidth, steps: int, batch: int = 5, times=TIMES, accepted=ACCEPTED) -> list[int]:
+    widths = []
+    for _ in range(steps):
+        w = policy.width(batch)
+        widths.append(w)
+        policy.observe(batch, w, times[w], [(w, min(a, w)) for a in accepted])
+    return widths
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_every_width_is_timed_widest_first_then_the_best_is_kept():
+    policy = AdaptiveWidth(max_width=3)
+    widths = run(policy, 10)
+    assert widths[:4] == [3, 2, 1, 0]
+    # tokens/s per sequence: w0 1/10, w1 1.8/14 = 0.129, w2 2.4/17 = 0.141, w3 2.6/21 = 0.124
+    assert widths[4:] == [2] * 6
+    assert policy.tokens_per_second(5, 2) == pytest.approx(2.4 / 0.017)
+
+
+def test_the_widest_width_is_probed_and_a_better_one_taken_only_past_the_margin():
+    policy = AdaptiveWidth(max_width=3, probe_every=10)
+    widths = run(policy, 30)
+    assert [i for i, w in enumerate(widths) if w == 3 and i >= 4] == [9, 19, 29]
+    # width 3 becomes 2% better than width 2 (measured on the probes): not enough past a 5% margin, enough past 1%
+    for margin, expected in ((0.05, 2), (0.01, 3)):
+        policy = AdaptiveWidth(max_width=3, margin=margin, probe_every=5)
+        run(policy, 8)
+        faster = {**TIMES, 3: 2.6 / (2.4 / 0.017) / 1.02}
+        assert run(policy, 100, times=faster)[-3:] == [expected] * 3, margin
+
+
+def test_buckets_choose_separately():
+    policy = AdaptiveWidth(max_width=3)
+    run(policy, 8, batch=1)
+    slow = {0: 0.010, 1: 0.030, 2: 0.050, 3: 0.070}  # a compute-bound batch: drafting never pays
+    assert run(policy, 8, batch=16, times=slow)[-1] == 0
+    assert policy.width(1) == 2 and policy.width(12) == 0  # 12 falls in bucket 16
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_width >= 1"):
+        AdaptiveWidth(max_width=0)
