@@ -1,0 +1,118 @@
+"""Where a batched plain decode step spends its time, by category, at several batch sizes.
+
+    python benchmarks/decode_profile.py                      # batch 8, 16, 32 on the shipped tiny target
+    python benchmarks/decode_profile.py --batch-sizes 16 --ops 20
+
+For each batch size: N greedy requests are prefilled, then stepped to a steady state; ms per step is the median of
+--rounds timed runs of --steps steps, then one more run under cProfile splits a step into the categories below
+(inclusive times, so Python-heavy parts read a little high). --ops adds torch.profiler's most expensive ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from decode import prompts_for
+
+from eyas import LLM, SamplingParams
+from eyas.engine.llm import DEFAULT_MODEL
+
+
+def start(llm: LLM, batch: int, prompt_len: int) -> list:
+    """Add `batch` requests and step until every one has prefilled and decoded a few tokens."""
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    seqs = [llm.add_request(p, params) for p in prompts_for(batch, prompt_len, llm.model.config.vocab_size)]
+    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
+        llm.step()
+    for _ in range(4):
+        llm.step()
+    return seqs
+
+
+def time_steps(llm: LLM, steps: int) -> float:
+    start_time = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    return (time.perf_counter() - start_time) / steps * 1e3
+
+
+def categories(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    """ms per step of each category, from a cProfile run of `steps` steps."""
+    by_name: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for (file, line, name), (_, _, _, cumtime, _) in stats.stats.items():
+        by_name.setdefault((file, name), []).append((line, cumtime))
+
+    def cum(suffix: str, name: str | None, pick=None) -> float:
+        hits = [(line, t) for (file, n), entries in by_name.items() if file.endswith(suffix)
+                and (name is None or n == name) for line, t in entries]
+        if pick is not None:
+            hits = [pick(hits)] if hits else []
+        return sum(t for _, t in hits) * 1e3 / steps
+
+    # deepseek_v3.py has several forwards (and llm.py several steps): told apart by their first source line
+    import eyas.models.deepseek_v3 as dsv3
+
+    def at(function):
+        line = function.__code__.co_firstlineno
+        return lambda hits: next((h for h in hits if h[0] == line), (0, 0.0))
+
+    out = {
+        "schedule": cum("engine/scheduler.py", "schedule"),
+        "metadata": cum("models/attention.py", "build"),
+        "attention": cum("models/deepseek_v3.py", "forward", at(dsv3.MLAttention.forward)),
+        "  of it, paged attention": cum("models/attention.py", "paged_latent_attention"),
+        "MoE": cum("models/deepseek_v3.py", "forward", at(dsv3.MoE.forward)),
+        "  of it, routing": cum("models/deepseek_v3.py", "route"),
+        "model, other": cum("models/deepseek_v3.py", "forward", at(dsv3.DeepseekV3Model.forward)),
+        "lm head": cum("models/deepseek_v3.py", "compute_logits"),
+        "sampling": cum("engine/sampling.py", "process_logits") + cum("engine/sampling.py", "sample"),
+        "stop checks": cum("engine/llm.py", "_stop_reason"),
+    }
+    out["model, other"] -= out["attention"] + out["MoE"]
+    step = cum("engine/llm.py", "step", at(LLM.step))
+    accounted = sum(v for k, v in out.items() if not k.startswith(" "))
+    out["step, other (llm + runner Python)"] = step - accounted
+    out["step total"] = step
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20, help="steps per timed run")
+    ap.add_argument("--rounds", type=int, default=3, help="timed runs per batch size; the median is printed")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ops", type=int, default=0, help="also print torch.profiler's top N ops by self CPU time")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), threads=args.threads)
+    print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
+          f"torch {torch.__version__}")
+    for batch in args.batch_sizes:
+        seqs = start(llm, batch, args.prompt_len)
+        ms = statistics.median(time_steps(llm, args.steps) for _ in range(args.rounds))
+        profiler = cProfile.Profile()
+        profiler.runcall(time_steps, llm, args.steps)
+        cats = categories(pstats.Stats(profiler), args.steps)
+        print(f"\nbatch {batch}: {ms:.2f} ms/step, {batch / ms * 1e3:.0f} tok/s (context ~{len(seqs[0])} tokens)")
+        print("  under cProfile, ms/step:")
+        for name, value in sorted(cats.items(), key=lambda kv: -kv[1]):
+            print(f"    {name:<36} {value:7.2f}")
+        if args.ops:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                time_steps(llm, args.steps)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+        for seq in seqs:
+            llm.abort(seq)
+
+
+if __name__ == "__main__":
+    main()
