@@ -9,7 +9,7 @@ from tiny import YARN, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.models.deepseek_v3 import FEW_TOKENS
-from eyas.models.layers import FUSED_NORM_ROWS, RMSNorm
+from eyas.models.layers import FUSED_NORM_ROWS, RMSNorm, pack_for_inference
 
 CONFIGS = {
     "qlora_yarn_groups": dict(rope_parameters=YARN),
@@ -61,15 +61,28 @@ def test_packed_rms_norm_matches_its_formula():
 
 
 def test_moe_paths_match_transformers(tmp_path):
-    """Few rows (decode, verify) run every chosen expert over all rows; more rows are grouped by expert. Both must
-    give transformers' MoE output, row by row."""
+    """Few rows (decode, verify) run every chosen expert over all rows (packed: all experts in batched matmuls when
+    the rows choose at least half of them); more rows are grouped by expert. All must give transformers' MoE output,
+    row by row, and the batched form exactly what the per-expert loop gives."""
     ref = make_hf_checkpoint(tmp_path, rope_parameters=YARN)
     ours = load_model(tmp_path)
     x = torch.randn(3 * FEW_TOKENS, ref.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    moe = ours.model.layers[1].mlp
     with torch.no_grad():
         expected = ref.model.layers[1].mlp(x[None])[0]
         for rows in (1, 4, FEW_TOKENS, 3 * FEW_TOKENS):
-            assert (ours.model.layers[1].mlp(x[:rows]) - expected[:rows]).abs().max().item() <= 1e-5, rows
+            assert (moe(x[:rows]) - expected[:rows]).abs().max().item() <= 1e-5, rows
+        pack_for_inference(ours)
+        for rows in (1, 4, FEW_TOKENS, 3 * FEW_TOKENS):
+            assert (moe(x[:rows]) - expected[:rows]).abs().max().item() <= 1e-5, rows
+        for rows in (4, FEW_TOKENS):
+            expert_ids, weights = moe.route(x[:rows])
+            chosen = sorted(set(expert_ids.flatten().tolist()))
+            assert 2 * len(chosen) >= len(moe.experts), rows  # so _few_tokens takes the batched form
+            loop = torch.zeros_like(x[:rows])
+            for e in chosen:
+                loop += moe.experts[e](x[:rows]) * (expert_ids == e).mul(weights).sum(-1, keepdim=True)
+            assert torch.equal(moe._few_tokens(x[:rows], expert_ids, weights), loop), rows
 
 
 def test_bf16_checkpoint_matches_transformers_in_fp32(tmp_path):

@@ -145,6 +145,25 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(num_experts))
         self.shared_experts = (MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        self.stacked_gate_up: torch.Tensor | None = None  # [num_experts, hidden, 2 * moe_intermediate], set by pack()
+        self.stacked_down: torch.Tensor | None = None  # [num_experts, moe_intermediate, hidden], set by pack()
+
+    def pack(self) -> None:
+        """For inference: every routed expert's gate_up and down_proj as one slice of a stacked tensor, so rows that
+        choose most experts run all of them in two batched matmuls (see _all_experts). Each expert's weights become
+        frozen views of the stacks, laid out as gemv_layout lays them out, so an expert alone multiplies as before."""
+        if self.stacked_gate_up is not None:
+            return
+        for expert in self.experts:
+            expert.pack()
+        self.stacked_gate_up = torch.stack([e.gate_up.t() for e in self.experts])
+        self.stacked_down = torch.stack([e.down_proj.weight.detach().t() for e in self.experts])
+        inter = self.config.moe_intermediate_size
+        for expert, gate_up, down in zip(self.experts, self.stacked_gate_up, self.stacked_down):
+            expert.gate_up = gate_up.t()
+            expert.gate_proj.weight = nn.Parameter(expert.gate_up[:inter], requires_grad=False)
+            expert.up_proj.weight = nn.Parameter(expert.gate_up[inter:], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(down.t(), requires_grad=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [num_tokens, hidden] -> (expert ids, weights), both [num_tokens, num_experts_per_tok]."""
@@ -183,10 +202,22 @@ class MoE(nn.Module):
         next to nothing (it reads the same weights); the gather and scatter of the grouped path cost more."""
         dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
         dense.scatter_(1, expert_ids, weights.to(x.dtype))  # [rows, num_experts]
+        chosen = sorted(set(expert_ids.flatten().tolist()))
+        if self.stacked_gate_up is not None and 2 * len(chosen) >= len(self.experts):
+            return self._all_experts(x, dense)
         out = torch.zeros_like(x)
-        for e in sorted(set(expert_ids.flatten().tolist())):
+        for e in chosen:
             out += self.experts[e](x) * dense[:, e, None]
         return out
+
+    def _all_experts(self, x, dense):
+        """_few_tokens when the rows choose at least half the experts (batched decode: 16 rows choose nearly all 8
+        of the bundled target's): every expert over every row in two batched matmuls and a weighted sum, 6 ops in
+        place of 5 per chosen expert, for at most twice the matmul work on the same weights. Each expert's output
+        is the one its own MLP gives, and an expert a row did not choose adds its output times 0."""
+        gate, up = torch.matmul(x, self.stacked_gate_up).chunk(2, dim=-1)  # [num_experts, rows, inter] each
+        out = torch.bmm(F.silu(gate) * up, self.stacked_down)  # [num_experts, rows, hidden]
+        return (out * dense.t()[:, :, None]).sum(0)
 
     def _grouped(self, x, expert_ids, weights):
         """Few tokens per expert: group the (token, slot) pairs by expert with one sort; each expert runs once."""
