@@ -54,3 +54,23 @@ def test_buckets_choose_separately():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="max_width >= 1"):
         AdaptiveWidth(max_width=0)
+
+
+def test_the_engine_with_an_adaptive_width_is_lossless_and_learns():
+    """Greedy speculative output with the adaptive width equals plain greedy output, token for token, while the
+    policy times every width of the batch sizes it ran."""
+    from eyas import LLM, SamplingParams
+    from eyas.config import SpeculativeConfig
+    from eyas.engine.llm import DEFAULT_MODEL
+
+    prompts = ["def add(a, b):\n", "import os\n\nclass Cache:\n", "for i in range(", "# Sort the list\n",
+               "with open(name) as f:\n", "x = ["]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(DEFAULT_MODEL, max_num_seqs=6, speculative_config=SpeculativeConfig(
+        method="mtp", num_speculative_tokens=3, adaptive_width=True))
+    speculative = [o.token_ids for o in llm.generate(prompts, params)]
+    with llm.plain_decoding():
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert speculative == plain
+    buckets = llm.speculative.adaptive.buckets
+    assert buckets and all(t is not None for t in buckets[8].step_time), buckets

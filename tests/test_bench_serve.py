@@ -39,7 +39,8 @@ def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
     out = tmp_path / "bench.json"
     args = parse("--model", str(checkpoint), "--num-prompts", "6", "--input-len", "16", "--output-len", "12",
                  "--range-ratio", "0.5", "--concurrency", "1", "3", "--speculative-method", "mtp",
-                 "--num-speculative-tokens", "2", "--max-num-seqs", "4", "--repeats", "2", "--json", str(out))
+                 "--num-speculative-tokens", "2", "--speculative-width", "fixed", "--max-num-seqs", "4",
+                 "--repeats", "2", "--json", str(out))  # a fixed width: this random draft would not pay its way
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     # the second repeat starts with the speculative server

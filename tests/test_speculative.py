@@ -295,7 +295,11 @@ def test_disable_batch_size_defaults_by_device():
     def config(*argv):
         return EngineArgs.from_cli_args(parser.parse_args(["--speculative-method", "mtp", *argv])).speculative_config()
 
-    assert config().disable_batch_size == CPU_DISABLE_BATCH_SIZE
-    assert config("--device", "cuda").disable_batch_size is None
-    assert config("--speculative-disable-batch-size", "0").disable_batch_size is None
+    assert config("--speculative-width", "fixed").disable_batch_size == CPU_DISABLE_BATCH_SIZE
+    assert config("--speculative-width", "fixed", "--device", "cuda").disable_batch_size is None
+    assert config("--speculative-width", "fixed", "--speculative-disable-batch-size", "0").disable_batch_size is None
+    # the default: the width is measured, with no threshold unless one is given
+    assert (config().adaptive_width, config().disable_batch_size) == (True, None)
+    assert config("--speculative-disable-batch-size", "12").disable_batch_size == 12
+    assert not config("--speculative-width", "fixed").adaptive_width
     assert config("--device", "cuda", "--speculative-disable-batch-size", "5").disable_batch_size == 5

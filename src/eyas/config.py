@@ -329,6 +329,9 @@ class SpeculativeConfig:
     # accepted drafts save (compute-bound batches). Steps then cost what plain steps cost; when drafting resumes, the
     # draft attends only to the positions computed since (the target's hidden states still carry the context)
     disable_batch_size: int | None = None
+    # the verify width chosen per batch size by measured step times and acceptance (eyas.engine.adaptive_width),
+    # up to num_speculative_tokens; disable_batch_size and the per-batch-size rules still decide where they apply
+    adaptive_width: bool = False
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None
     relaxed_thinking: bool = False
@@ -377,9 +380,14 @@ class SpeculativeConfig:
         return max([self.num_speculative_tokens] + [r["num_tokens"] for r in rules])
 
     def num_tokens_for_batch(self, batch_size: int) -> int:
+        override = self.width_override(batch_size)
+        return self.num_speculative_tokens if override is None else override
+
+    def width_override(self, batch_size: int) -> int | None:
+        """K as disable_batch_size or a per-batch-size rule sets it for this batch size; None where neither does."""
         if self.disable_batch_size is not None and batch_size >= self.disable_batch_size:
             return 0
         for rule in self.num_speculative_tokens_per_batch_size:
             if rule["batch_start"] <= batch_size <= rule["batch_end"]:
                 return rule["num_tokens"]
-        return self.num_speculative_tokens
+        return None

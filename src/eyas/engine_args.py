@@ -46,6 +46,7 @@ class EngineArgs:
     num_speculative_tokens: int = 3
     num_speculative_tokens_per_batch_size: str | None = None  # JSON, as the flag takes it: read when speculating
     speculative_disable_batch_size: int | None = None  # None: the device's default; 0: never disable
+    speculative_width: str = "adaptive"  # adaptive: chosen by measurement up to K; fixed: K (or the overrides)
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None
     relaxed_thinking: bool = False
@@ -101,13 +102,15 @@ class EngineArgs:
         # unset: on CPU, where a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be,
         # drafting stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
         disable = self.speculative_disable_batch_size
-        if disable is None:
+        adaptive = self.speculative_width == "adaptive"
+        if disable is None and not adaptive:  # the adaptive width finds where drafting stops paying by itself
             disable = CPU_DISABLE_BATCH_SIZE if str(self.device).startswith("cpu") else None
         return SpeculativeConfig(
             method=method, draft_model=str(draft) if draft else None,
             num_speculative_tokens=self.num_speculative_tokens,
             num_speculative_tokens_per_batch_size=_per_batch_size_rules(self.num_speculative_tokens_per_batch_size),
-            disable_batch_size=disable or None, rejection_sampling_strategy=self.rejection_sampling_strategy,
+            disable_batch_size=disable or None, adaptive_width=adaptive,
+            rejection_sampling_strategy=self.rejection_sampling_strategy,
             synthetic_acceptance_rate=self.synthetic_acceptance_rate, relaxed_thinking=self.relaxed_thinking,
             relaxed_thinking_topk=self.relaxed_thinking_topk, relaxed_thinking_delta=self.relaxed_thinking_delta,
             aux_layer_convention=self.aux_layer_convention,
@@ -149,7 +152,14 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
                    "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
                    "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
-                   f"Default: {CPU_DISABLE_BATCH_SIZE} on CPU, off on GPUs; 0: never disable")
+                   f"Default: with --speculative-width fixed, {CPU_DISABLE_BATCH_SIZE} on CPU and off on GPUs; "
+                   "with adaptive, off; 0: never disable")
+    s.add_argument("--speculative-width", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: per batch size, the verify width (0..K drafts) with the most tokens per second, "
+                   "from measured step times and acceptance (Modular MAX's policy; --speculative-disable-batch-size "
+                   "and --num-speculative-tokens-per-batch-size still rule where they apply); fixed: K, with "
+                   f"drafting off from {CPU_DISABLE_BATCH_SIZE} running sequences on CPU unless "
+                   "--speculative-disable-batch-size says otherwise")
     s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "

@@ -35,6 +35,7 @@ from torch import nn
 
 from eyas.config import SpeculativeConfig
 from eyas.engine.acceptance import AcceptanceRule, VerifyRows
+from eyas.engine.adaptive_width import AdaptiveWidth
 from eyas.engine.grammar import apply_bitmask
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
@@ -75,6 +76,8 @@ class SpeculativeDecoder:
         self.think_token_ids = think_token_ids
         self.accept = AcceptanceRule(config)
         self.metrics = SpeculativeMetrics()
+        self.adaptive = AdaptiveWidth(config.num_speculative_tokens) if config.adaptive_width else None
+        self.verified: list[tuple[int, int]] = []  # this step's (drafts verified, drafts accepted) per sequence
         num_slots = runner.num_blocks * runner.block_size
         # the draft's one-layer cache, addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=runner.dtype,
@@ -86,6 +89,7 @@ class SpeculativeDecoder:
         """Run one iteration; return the tokens each sequence commits (empty while its prompt is prefilling) and,
         for sequences that asked for them, their log-probabilities (None otherwise)."""
         seqs = batch.seqs
+        self.verified = []
         # 1-2. merge and verify
         hidden, aux, query_lens = self.runner.forward(batch, self.draft.aux_hidden_state_ids)
         starts = [0]
@@ -115,12 +119,13 @@ class SpeculativeDecoder:
                 logprobs[r, :n + 1] = flat[offset:offset + n + 1]
                 draft_tokens[r, :n] = torch.tensor(seqs[i].draft_tokens[:n], dtype=torch.long)
                 offset += num_drafts[i] + 1
-            # 4. accept
+                # 4. accept
             accepted, extra = self.accept(VerifyRows(
                 logprobs=logprobs, draft_tokens=draft_tokens, num_drafts=usable,
                 params=[seqs[i].params for i in sampling], generators=[seqs[i].generator for i in sampling],
                 in_thinking=[self._in_thinking(seqs[i]) for i in sampling]))
             first_row = 0
+            self.verified = [(num_drafts[i], accepted[r]) for r, i in enumerate(sampling)]
             for r, i in enumerate(sampling):
                 num_accepted[i] = accepted[r]
                 new_tokens[i] = seqs[i].draft_tokens[:accepted[r]] + [extra[r]]
@@ -153,7 +158,7 @@ class SpeculativeDecoder:
 
     def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
                  num_running: int) -> None:
-        k_target = self.config.num_tokens_for_batch(num_running)
+        k_target = self.width_for(num_running)
         if k_target == 0:  # drafting is off at this batch size: no draft work at all, so no cost over plain decoding
             self.skip_drafting(seqs)
             return
@@ -198,7 +203,25 @@ class SpeculativeDecoder:
     def is_plain_step(self, batch: ScheduledBatch, num_running: int) -> bool:
         """Drafting is off at this batch size and no sequence has drafts to verify: the step is a plain decoding step,
         and the engine runs it as one (then calls skip_drafting)."""
-        return self.config.num_tokens_for_batch(num_running) == 0 and not any(s.draft_tokens for s in batch.seqs)
+        return self.width_for(num_running) == 0 and not any(s.draft_tokens for s in batch.seqs)
+
+    def width_for(self, num_running: int) -> int:
+        """The drafts to propose for the next step: a configured override for this batch size, else the adaptive
+        width, else K."""
+        override = self.config.width_override(num_running)
+        if override is not None or self.adaptive is None:
+            return self.config.num_speculative_tokens if override is None else override
+        return self.adaptive.width(num_running)
+
+    def observe(self, batch: ScheduledBatch, num_running: int, seconds: float) -> None:
+        """A step in which every sequence decoded (the engine leaves out steps with prompt chunks: they cost what
+        their prompts cost) took `seconds`: the adaptive width learns from it when all verified one width."""
+        verified, self.verified = self.verified, []
+        if self.adaptive is None or self.config.width_override(num_running) is not None:
+            return
+        widths = {drafted for drafted, _ in verified} or {0}
+        if len(widths) == 1 and len(verified) in (0, len(batch.seqs)):
+            self.adaptive.observe(num_running, widths.pop(), seconds, verified)
 
     def skip_drafting(self, seqs: list[Sequence]) -> None:
         """After a step without draft work: the draft's cache misses the positions the target computed; it attends

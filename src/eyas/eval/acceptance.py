@@ -339,6 +339,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args)
     # acceptance is measured: draft at every batch size unless told otherwise (0: never disable)
     engine.speculative_disable_batch_size = engine.speculative_disable_batch_size or 0
+    engine.speculative_width = "fixed"  # the draft is measured at K, not the serving policy
     spec = engine.speculative_config()
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
