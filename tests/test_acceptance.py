@@ -157,3 +157,20 @@ def test_residual_sampling_through_the_engine_keeps_the_distribution(tmp_path, c
     accepted = sum(o.num_accepted for o in outs) / sum(o.num_drafted for o in outs)
     # measured 0.22 and 0.02: the copying draft proposes the target's mode, accepted with probability p(mode)
     assert accepted > 0.15 if checkpoint == "copying" else accepted < 0.1
+
+
+def test_logit_comparison_is_greedy_exact_and_lossy_when_sampling():
+    """MAX's logit-comparison: drafts kept while they are the target's top token. For greedy requests it commits what
+    the greedy rule commits; sampled, it only ever keeps the mode, so its first token is not distributed as p."""
+    logprobs = target_rows()
+    probs = logprobs.exp()
+    comparison = AcceptanceRule(SpeculativeConfig(method="mtp", rejection_sampling_strategy="logit-comparison"))
+    greedy_rule = AcceptanceRule(SpeculativeConfig(method="mtp", rejection_sampling_strategy="greedy"))
+    top = [int(logprobs[j].argmax()) for j in range(logprobs.shape[0])]
+    for drafts in ([top[0], top[1]], [top[0], (top[1] + 1) % 8], [(top[0] + 1) % 8, top[1]]):
+        rows = VerifyRows(logprobs=logprobs[None], draft_tokens=torch.tensor([drafts]), num_drafts=[2],
+                          params=[SamplingParams(temperature=0)], generators=[None], in_thinking=[False])
+        assert comparison(rows) == greedy_rule(rows), drafts
+    first, _ = first_two_tokens(comparison, logprobs, [top[0], top[1]], 20000)
+    assert chi_square_p_value(torch.bincount(first, minlength=8).float(), probs[0]) < P_VALUE
+    assert SpeculativeConfig(method="mtp", rejection_sampling_strategy="typical-acceptance").lossless is False

@@ -312,13 +312,15 @@ class DeepseekV3Config:
 
 
 SPECULATIVE_METHODS = ("eagle", "mtp")
-REJECTION_STRATEGIES = ("greedy", "residual", "typical")
+# MAX's four names; "typical" is the short name of typical-acceptance
+REJECTION_STRATEGIES = ("greedy", "residual", "typical", "typical-acceptance", "logit-comparison")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """How the engine speculates (MAX's flags). `greedy` and `residual` keep the target's distribution exactly;
-    `typical`, relaxed acceptance in thinking blocks and `synthetic_acceptance_rate` do not."""
+    `logit-comparison` does for greedy requests only; `typical`, relaxed acceptance in thinking blocks and
+    `synthetic_acceptance_rate` do not."""
 
     method: str = "eagle"
     draft_model: str | None = None

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from eyas.config import SpeculativeConfig
+from eyas.config import REJECTION_STRATEGIES, SpeculativeConfig
 from eyas.engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL, LLM
 from eyas.threads import THREADS_HELP
 
@@ -160,10 +160,12 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    "and --num-speculative-tokens-per-batch-size still rule where they apply); fixed: K, with "
                    f"drafting off from {CPU_DISABLE_BATCH_SIZE} running sequences on CPU unless "
                    "--speculative-disable-batch-size says otherwise")
-    s.add_argument("--rejection-sampling-strategy", choices=["greedy", "residual", "typical"], default="residual",
+    s.add_argument("--rejection-sampling-strategy", choices=list(REJECTION_STRATEGIES), default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
-                   "when sampling); typical: Medusa's typical acceptance (LOSSY: output is not the target's)")
+                   "when sampling); typical or typical-acceptance: Medusa's typical acceptance (LOSSY: output is not "
+                   "the target's); logit-comparison: accept while the draft's and the target's top tokens agree "
+                   "(exact for greedy requests, LOSSY for sampled ones)")
     s.add_argument("--synthetic-acceptance-rate", type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
                    "position with this probability regardless of the draft, to measure engine overhead")
     s.add_argument("--relaxed-thinking", action="store_true", help="LOSSY: inside <think>...</think>, accept a "

@@ -10,7 +10,11 @@ Drafts are proposed greedily (argmax), so the draft distribution q is one-hot at
 - residual: accept d with probability min(1, p(d) / q(d)) = p(d); on rejection draw from
             normalize(max(0, p - q)) = p with d removed. Lossless (Leviathan et al.), and accepts more than greedy
             for sampled requests; for greedy requests it is exactly the greedy rule.
-- typical:  accept d when p(d) > min(epsilon, alpha * exp(-H(p))) (Medusa). Lossy: output is not p's.
+- typical (typical-acceptance):  accept d when p(d) > min(epsilon, alpha * exp(-H(p))) (Medusa). Lossy: output is
+            not p's.
+- logit-comparison:  accept d while it is the target's top token (the draft's and the target's top tokens agree);
+            the token after is the target's choice. Exact for greedy requests, lossy for sampled ones (it keeps
+            only drafts that are the target's mode).
 - relaxed (inside <think>...</think> only): accept d when it is among the target's top-k and
             log p(d) >= log p(top1) - delta. Lossy.
 - synthetic: accept each position with a fixed probability, for measuring engine overhead. Lossy.
@@ -65,8 +69,9 @@ class AcceptanceRule:
         self.relaxed_topk = config.relaxed_thinking_topk
         self.relaxed_delta = config.relaxed_thinking_delta
         self.generator = torch.Generator().manual_seed(seed)  # for synthetic acceptance only
-        self.row_rule = {"greedy": self._greedy_row, "residual": self._residual_row,
-                         "typical": self._typical_row}[self.strategy]
+        self.row_rule = {"greedy": self._greedy_row, "residual": self._residual_row, "typical": self._typical_row,
+                         "typical-acceptance": self._typical_row,
+                         "logit-comparison": self._logit_comparison_row}[self.strategy]
 
     def __call__(self, rows: VerifyRows) -> tuple[list[int], list[int]]:
         num_accepted, extra = [], []
@@ -112,6 +117,12 @@ class AcceptanceRule:
             if probs[d].item() <= threshold:
                 return j, _sample(logprobs[j], generator)
         return len(drafts), _sample(logprobs[len(drafts)], generator)
+
+    def _logit_comparison_row(self, logprobs, drafts, params, generator) -> tuple[int, int]:
+        for j, d in enumerate(drafts):
+            if int(logprobs[j].argmax()) != d:
+                return j, _target_choice(logprobs[j], params, generator)
+        return len(drafts), _target_choice(logprobs[len(drafts)], params, generator)
 
     def _relaxed_row(self, logprobs, drafts, params, generator) -> tuple[int, int]:
         for j, d in enumerate(drafts):
