@@ -159,7 +159,7 @@ class SpeculativeDecoder:
     def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
                  num_running: int) -> None:
         k_target = self.width_for(num_running)
-        if k_target == 0:  # drafting is off at this batch size: no draft work at all, so no cost over plain decoding
+        if k_target == 0 and self.adaptive is None:  # drafting is off at this batch size: no draft work at all
             self.skip_drafting(seqs)
             return
         device = self.runner.device
@@ -167,6 +167,8 @@ class SpeculativeDecoder:
         attn = self.runner.metadata(lens, [s.num_computed for s in seqs], [s.block_table for s in seqs],
                                     [s.draft_context_start for s in seqs])
         prenorm = self.draft(draft_in, torch.tensor(next_tokens, device=device), attn, self.draft_cache)
+        if k_target == 0:  # the adaptive width is 0 for now: step 0 still fills the draft's cache, so that drafting
+            return         # resumes with its whole context (a blind draft would accept less for the rest of the run)
         last_rows = torch.tensor(lens).cumsum(0) - 1
         # how many drafts each sequence gets: K, capped by its remaining budget, the context and free blocks
         budgets = []
@@ -201,9 +203,11 @@ class SpeculativeDecoder:
                 seq.grammar.rollback(len(seq.draft_tokens))
 
     def is_plain_step(self, batch: ScheduledBatch, num_running: int) -> bool:
-        """Drafting is off at this batch size and no sequence has drafts to verify: the step is a plain decoding step,
-        and the engine runs it as one (then calls skip_drafting)."""
-        return self.width_for(num_running) == 0 and not any(s.draft_tokens for s in batch.seqs)
+        """Drafting is off at this batch size (a fixed width of 0: the adaptive one keeps the draft's cache filled)
+        and no sequence has drafts to verify: the step is a plain decoding step, and the engine runs it as one (then
+        calls skip_drafting)."""
+        return (self.adaptive is None or self.config.width_override(num_running) is not None) and \
+            self.width_for(num_running) == 0 and not any(s.draft_tokens for s in batch.seqs)
 
     def width_for(self, num_running: int) -> int:
         """The drafts to propose for the next step: a configured override for this batch size, else the adaptive
