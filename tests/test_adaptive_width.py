@@ -74,3 +74,16 @@ def test_the_engine_with_an_adaptive_width_is_lossless_and_learns():
     assert speculative == plain
     buckets = llm.speculative.adaptive.buckets
     assert buckets and all(t is not None for t in buckets[8].step_time), buckets
+
+
+def test_an_unlucky_first_trial_does_not_park_a_position():
+    """At batch 1 each trial is a coin flip: q_k is the plain mean until 1 / alpha_per_trial trials, so a first
+    rejection followed by acceptances reads as their mean, not as an EMA stuck near the first 0."""
+    policy = AdaptiveWidth(max_width=3)
+    policy.observe(1, 3, 0.02, [(3, 2)])  # position 3 rejected on its first trial
+    for _ in range(9):
+        policy.observe(1, 3, 0.02, [(3, 3)])
+    assert policy.buckets[1].accepted_rate == pytest.approx([1.0, 1.0, 0.9])
+    for _ in range(200):
+        policy.observe(1, 3, 0.02, [(3, 0)])  # then an EMA: the old trials fade
+    assert policy.buckets[1].accepted_rate[0] < 0.05

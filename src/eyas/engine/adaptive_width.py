@@ -1,8 +1,11 @@
 """The verify width chosen by measurement (Modular MAX's adaptive policy), not by a batch-size threshold.
 
-Per power-of-two bucket of running sequences, two kinds of exponential moving averages (weight `alpha` on the new
-value): the step time at each width w (w = 0 is a plain step), and per draft position k the rate q_k at which the
-first k drafts are all accepted, over the sequences that drafted k or more. A step at width w yields
+Per power-of-two bucket of running sequences, two kinds of exponential moving averages: the step time at each width
+w (w = 0: no drafts verified), weight `alpha` on each new step, and per draft position k the rate q_k at which the
+first k drafts are all accepted, weight `alpha_per_trial` on each sequence that drafted k or more (so a step of 16
+sequences moves q_k as much as 16 steps of one: at batch 1 each trial is a coin flip), the plain mean of the trials
+so far until there are 1 / alpha_per_trial of them (a first unlucky trial must not park a position at 0: positions
+past the chosen width are measured only on probes). A step at width w yields
 1 + q_1 + ... + q_w tokens per sequence, so the width with the most tokens per second maximises
 
     (1 + q_1 + ... + q_w) / time(w)
@@ -30,6 +33,7 @@ def bucket_of(batch_size: int) -> int:
 class _Bucket:
     step_time: list[float | None]  # EMA of seconds per step at each width 0..max
     accepted_rate: list[float | None]  # EMA of q_k for k = 1..max (index k - 1)
+    trials: list[int]  # sequences that drafted k or more so far, per k
     width: int
     steps: int = 0
 
@@ -38,18 +42,22 @@ class _Bucket:
 class AdaptiveWidth:
     max_width: int
     alpha: float = 0.2
+    alpha_per_trial: float = 0.02
     margin: float = 0.02
     probe_every: int = 50
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_width < 1 or not 0 < self.alpha <= 1 or self.margin < 0 or self.probe_every < 1:
-            raise ValueError("AdaptiveWidth needs max_width >= 1, alpha in (0, 1], margin >= 0, probe_every >= 1")
+        if self.max_width < 1 or not 0 < self.alpha <= 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 \
+                or self.probe_every < 1:
+            raise ValueError("AdaptiveWidth needs max_width >= 1, alpha and alpha_per_trial in (0, 1], margin >= 0, "
+                             "probe_every >= 1")
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self.buckets:
-            self.buckets[key] = _Bucket([None] * (self.max_width + 1), [None] * self.max_width, self.max_width)
+            self.buckets[key] = _Bucket([None] * (self.max_width + 1), [None] * self.max_width, [0] * self.max_width,
+                                        self.max_width)
         return self.buckets[key]
 
     def width(self, batch_size: int) -> int:
@@ -84,7 +92,9 @@ class AdaptiveWidth:
             if tried:
                 rate = sum(tried) / len(tried)
                 old = bucket.accepted_rate[k - 1]
-                bucket.accepted_rate[k - 1] = rate if old is None else old + self.alpha * (rate - old)
+                bucket.trials[k - 1] += len(tried)
+                weight = max(1 - (1 - self.alpha_per_trial) ** len(tried), len(tried) / bucket.trials[k - 1])
+                bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
         if any(t is None for t in bucket.step_time):
             return
         scores = [self.tokens_per_second(batch_size, w) for w in range(self.max_width + 1)]
