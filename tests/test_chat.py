@@ -63,3 +63,29 @@ def test_a_template_that_rewrites_content_refuses_typed_control_tokens(tokenizer
         template_ids(tokenizer, [{"role": "user", "content": " hi "}])
     with pytest.raises(ValueError, match=r"messages\[0\]\.content contains the text of a control token"):
         encode_chat(tokenizer, [{"role": "user", "content": f" hi{EOS} "}])
+
+
+def test_streamed_text_adds_up_to_the_whole_decode(tokenizer):
+    """The server decodes only the new tokens while streaming (a whole decode per update is O(n^2) over a long
+    answer): the pieces it sends, multi-byte characters split over tokens included, add up to the whole decode, and
+    a stop string's possible start is held back until it is known."""
+    from types import SimpleNamespace
+
+    from eyas.serve.engine import EngineLoop, EngineRequest
+
+    text = "héllo — 世界 🐍 naïve café\n    return x + 1  # ok ✓ END tail"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    engine = EngineLoop.__new__(EngineLoop)
+    engine.llm = SimpleNamespace(tokenizer=tokenizer)
+    for stop in ([], ["END"]):
+        req = EngineRequest.__new__(EngineRequest)
+        req.sent_text, req.decoded_text, req.prefix_offset, req.read_offset = "", "", 0, 0
+        seq = SimpleNamespace(generated_ids=[], params=SimpleNamespace(stop=stop))
+        for n in range(1, len(ids) + 1):
+            seq.generated_ids = ids[:n]
+            piece = engine._text(req, seq, final=n == len(ids))
+            assert piece.startswith(req.sent_text), (n, piece, req.sent_text)
+            assert "\ufffd" not in piece and (n == len(ids) or "END" not in piece)
+            req.sent_text = piece
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert req.sent_text == (whole[:whole.find("END")] if stop else whole)

@@ -61,9 +61,12 @@ class EngineRequest:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
-    # engine-thread state: what has been sent so far
+    # engine-thread state: what has been sent so far, and the incremental detokenizer's place (`_text`)
     sent_text: str = ""
     num_sent_tokens: int = 0
+    decoded_text: str = ""  # the text of generated_ids[:read_offset], as decoded piece by piece
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     def deliver(self, item: Update | ApiError) -> None:
         try:
@@ -234,7 +237,7 @@ class EngineLoop:
             seq = req.seq
             if seq.num_generated == req.num_sent_tokens and not seq.is_finished:
                 continue
-            text = self._text(seq, final=seq.is_finished)
+            text = self._text(req, seq, final=seq.is_finished)
             delta = text[len(req.sent_text):] if text.startswith(req.sent_text) else ""
             new_ids = seq.generated_ids[req.num_sent_tokens:]
             logprobs = self._logprob_entries(seq.logprobs[req.num_sent_tokens:]) \
@@ -257,13 +260,26 @@ class EngineLoop:
         return [{"token": text(token_id), "logprob": logprob, "top": [[text(t), lp] for t, lp in top]}
                 for token_id, logprob, top in logprobs]
 
-    def _text(self, seq: Sequence, final: bool) -> str:
+    def _text(self, req: EngineRequest, seq: Sequence, final: bool) -> str:
         """The generated text, cut at the first stop string (as the engine cuts it). Until the end, hold back
-        what could still turn out to be the start of a stop string or of a multi-byte character."""
+        what could still turn out to be the start of a stop string or of a multi-byte character.
+
+        While streaming, only the new tokens are decoded (with a few before them, so that byte-level pieces join as
+        in a whole decode): decoding the whole output at every update would cost O(n^2) over a long answer. The
+        last update decodes the whole output once, so the text sent adds up to exactly the decoded output."""
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             return ""
-        text = tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
+        ids = seq.generated_ids
+        if final:
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            before = tokenizer.decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
+            after = tokenizer.decode(ids[req.prefix_offset:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):  # a whole character more
+                req.decoded_text += after[len(before):]
+                req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+            text = req.decoded_text
         stops = seq.params.stop
         hits = [text.find(s) for s in stops if s in text]
         if hits:
