@@ -100,7 +100,7 @@ class LLM:
         self.eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.grammars: GrammarCache | None = None  # built on the first structured-output request
+        self._grammars: GrammarCache | None = None  # built on the first structured-output request (grammar_cache)
         self._grammars_lock = threading.Lock()
         self.speculative = None
         if speculative_config is not None:
@@ -142,9 +142,9 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("structured_output needs a tokenizer; this checkpoint has none")
         with self._grammars_lock:
-            if self.grammars is None:
-                self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
-        return self.grammars
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -195,7 +195,7 @@ class LLM:
                 masked = logits
                 constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
                 if constrained:  # grammar mask before temperature and top-k/p, as in the speculative step
-                    bitmask = self.grammars.new_bitmask(len(seqs))
+                    bitmask = self.grammar_cache().new_bitmask(len(seqs))
                     for r in constrained:
                         seqs[r].grammar.fill_mask(bitmask, r)
                     masked = apply_bitmask(logits, bitmask)
