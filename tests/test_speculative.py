@@ -303,3 +303,25 @@ def test_disable_batch_size_defaults_by_device():
     assert config("--speculative-disable-batch-size", "12").disable_batch_size == 12
     assert not config("--speculative-width", "fixed").adaptive_width
     assert config("--device", "cuda", "--speculative-disable-batch-size", "5").disable_batch_size == 5
+
+
+def test_mixed_batch_width_caps_the_drafts_of_steps_that_prefill(copying_mtp):
+    """With num_speculative_tokens_mixed_batch 1, a sequence decoding beside a prompt that is still being prefilled
+    (chunks of 4 tokens) proposes at most one draft; once every prompt is in, K again. Output equals plain greedy."""
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, num_speculative_tokens_mixed_batch=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(copying_mtp, speculative_config=config, max_num_batched_tokens=6)
+    first = llm.add_request([5, 6], params)
+    while first.num_generated < 2:
+        llm.step()
+    second = llm.add_request(list(range(10, 30)), params)  # 20 prompt tokens: several chunked steps
+    drafts_while_prefilling, drafts_after = [], []
+    while llm.scheduler.has_work():
+        llm.step()
+        if not first.is_finished:
+            prefilling = second.num_computed < second.num_prompt_tokens
+            (drafts_while_prefilling if prefilling else drafts_after).append(len(first.draft_tokens))
+    assert drafts_while_prefilling and max(drafts_while_prefilling) <= 1
+    assert max(drafts_after) == 3
+    plain = LLM(copying_mtp).generate([[5, 6], list(range(10, 30))], params)
+    assert [llm.output(first).token_ids, llm.output(second).token_ids] == [o.token_ids for o in plain]

@@ -334,6 +334,9 @@ class SpeculativeConfig:
     # the verify width chosen per batch size by measured step times and acceptance (eyas.engine.adaptive_width),
     # up to num_speculative_tokens; disable_batch_size and the per-batch-size rules still decide where they apply
     adaptive_width: bool = False
+    # at most this many drafts for a step that will also prefill prompts (MAX's --num-speculative-tokens-mixed-batch):
+    # such a step is compute-bound already, and its drafts' verify rows would share it with the prompt chunks
+    num_speculative_tokens_mixed_batch: int | None = None
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None
     relaxed_thinking: bool = False
@@ -361,6 +364,9 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_rate is {self.synthetic_acceptance_rate}; expected 0..1")
         if self.relaxed_thinking_topk < 1 or self.relaxed_thinking_delta < 0:
             raise ValueError("relaxed_thinking_topk must be >= 1 and relaxed_thinking_delta >= 0")
+        mixed = self.num_speculative_tokens_mixed_batch
+        if mixed is not None and not 0 <= mixed <= 16:
+            raise ValueError(f"num_speculative_tokens_mixed_batch is {mixed}; expected 0..16")
         if self.disable_batch_size is not None and self.disable_batch_size < 1:
             raise ValueError(f"disable_batch_size is {self.disable_batch_size}; expected a positive batch size")
         for i, rule in enumerate(self.num_speculative_tokens_per_batch_size):

@@ -47,6 +47,7 @@ class EngineArgs:
     num_speculative_tokens_per_batch_size: str | None = None  # JSON, as the flag takes it: read when speculating
     speculative_disable_batch_size: int | None = None  # None: the device's default; 0: never disable
     speculative_width: str = "adaptive"  # adaptive: chosen by measurement up to K; fixed: K (or the overrides)
+    num_speculative_tokens_mixed_batch: int | None = None
     rejection_sampling_strategy: str = "residual"
     synthetic_acceptance_rate: float | None = None
     relaxed_thinking: bool = False
@@ -110,6 +111,7 @@ class EngineArgs:
             num_speculative_tokens=self.num_speculative_tokens,
             num_speculative_tokens_per_batch_size=_per_batch_size_rules(self.num_speculative_tokens_per_batch_size),
             disable_batch_size=disable or None, adaptive_width=adaptive,
+            num_speculative_tokens_mixed_batch=self.num_speculative_tokens_mixed_batch,
             rejection_sampling_strategy=self.rejection_sampling_strategy,
             synthetic_acceptance_rate=self.synthetic_acceptance_rate, relaxed_thinking=self.relaxed_thinking,
             relaxed_thinking_topk=self.relaxed_thinking_topk, relaxed_thinking_delta=self.relaxed_thinking_delta,
@@ -160,6 +162,8 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
                    "and --num-speculative-tokens-per-batch-size still rule where they apply); fixed: K, with "
                    f"drafting off from {CPU_DISABLE_BATCH_SIZE} running sequences on CPU unless "
                    "--speculative-disable-batch-size says otherwise")
+    s.add_argument("--num-speculative-tokens-mixed-batch", type=int, metavar="N", help="at most N drafts for a step "
+                   "that also prefills prompts (it is compute-bound already); default: no cap")
     s.add_argument("--rejection-sampling-strategy", choices=list(REJECTION_STRATEGIES), default="residual",
                    help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
                    "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "

@@ -156,7 +156,9 @@ class LLM:
         decode_only = all(s.num_computed >= s.num_prompt_tokens for s in batch.seqs)  # no prompt chunk this step
         start = time.perf_counter()
         if self.speculative is not None and not self.speculative.is_plain_step(batch, num_running):
-            new_tokens, new_logprobs = self.speculative.step(batch, num_running)
+            prefill_next = bool(self.scheduler.waiting) or any(  # a prompt is left to prefill after this step
+                s.num_computed + n < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
+            new_tokens, new_logprobs = self.speculative.step(batch, num_running, prefill_next)
         else:
             new_tokens, new_logprobs = self._plain_step(batch)
             if self.speculative is not None:

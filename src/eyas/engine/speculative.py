@@ -84,10 +84,11 @@ class SpeculativeDecoder:
                                        device=runner.device)
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch,
-             num_running: int) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    def step(self, batch: ScheduledBatch, num_running: int,
+             prefill_next: bool = False) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Run one iteration; return the tokens each sequence commits (empty while its prompt is prefilling) and,
-        for sequences that asked for them, their log-probabilities (None otherwise)."""
+        for sequences that asked for them, their log-probabilities (None otherwise). `prefill_next`: the next step
+        will prefill prompts too (num_speculative_tokens_mixed_batch caps the drafts proposed for it)."""
         seqs = batch.seqs
         self.verified = []
         # 1-2. merge and verify
@@ -153,12 +154,15 @@ class SpeculativeDecoder:
             step0_lens.append(kept)
 
         # 6. propose
-        self._propose(seqs, hidden, aux, step0_rows, step0_next, step0_lens, new_tokens, caught_up, num_running)
+        self._propose(seqs, hidden, aux, step0_rows, step0_next, step0_lens, new_tokens, caught_up, num_running,
+                      prefill_next)
         return new_tokens, new_logprobs
 
     def _propose(self, seqs: list[Sequence], hidden, aux, rows, next_tokens, lens, new_tokens, caught_up,
-                 num_running: int) -> None:
+                 num_running: int, prefill_next: bool) -> None:
         k_target = self.width_for(num_running)
+        if prefill_next and self.config.num_speculative_tokens_mixed_batch is not None:
+            k_target = min(k_target, self.config.num_speculative_tokens_mixed_batch)
         if k_target == 0 and self.adaptive is None:  # drafting is off at this batch size: no draft work at all
             self.skip_drafting(seqs)
             return
