@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop
+from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,18 +43,8 @@ def start_eyas(args: argparse.Namespace, draft: bool, log: Path) -> tuple[subpro
         else ["--speculative-method", "none"]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"eyas serve exited ({server.returncode}); see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.killpg(server.pid, signal.SIGKILL)
-    raise RuntimeError(f"eyas serve did not start; see {log}")
+    wait_healthy(server, url, log, args.startup_timeout, "eyas serve")
+    return server, url
 
 
 def bench(args: argparse.Namespace, url: str, out: Path) -> list[dict]:
@@ -87,11 +73,7 @@ def main() -> int:
         try:
             runs = bench(args, url, work / f"{name}.json")
         finally:
-            if name.startswith("eyas"):
-                os.killpg(server.pid, signal.SIGTERM)
-                server.wait(timeout=30)
-            else:
-                stop(server)
+            stop(server)
         results[name] = {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
                                             "acceptance_length": r["acceptance_length"]} for r in runs}
     base = results.get("vllm-plain")

@@ -154,18 +154,25 @@ def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: l
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                               start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
+    wait_healthy(server, url, log, args.startup_timeout, "vLLM")
+    return server, url
+
+
+def wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float, what: str) -> None:
+    """Until `url`/health answers 200; a server that exits or does not answer in `timeout` s is stopped and an
+    error names its log."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"vLLM exited ({server.returncode}) while starting; see {log}")
+            raise RuntimeError(f"{what} exited ({server.returncode}) while starting; see {log}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     stop(server)
-    raise RuntimeError(f"vLLM did not start within {args.startup_timeout:.0f} s; see {log}")
+    raise RuntimeError(f"{what} did not start within {timeout:.0f} s; see {log}")
 
 
 def stop(server: subprocess.Popen) -> None:

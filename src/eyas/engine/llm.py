@@ -153,7 +153,6 @@ class LLM:
         if not batch:
             raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
         num_running = len(self.scheduler.running)
-        decode_only = all(s.num_computed >= s.num_prompt_tokens for s in batch.seqs)  # no prompt chunk this step
         start = time.perf_counter()
         if self.speculative is not None and not self.speculative.is_plain_step(batch, num_running):
             prefill_next = bool(self.scheduler.waiting) or any(  # a prompt is left to prefill after this step
@@ -163,7 +162,7 @@ class LLM:
             new_tokens, new_logprobs = self._plain_step(batch)
             if self.speculative is not None:
                 self.speculative.skip_drafting(batch.seqs)
-        if self.speculative is not None and decode_only:  # what the adaptive width learns from
+        if self.speculative is not None:  # what the adaptive width learns from
             self.speculative.observe(batch, num_running, time.perf_counter() - start)
         finished = []
         now = time.perf_counter()

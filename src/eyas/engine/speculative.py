@@ -222,14 +222,16 @@ class SpeculativeDecoder:
         return self.adaptive.width(num_running)
 
     def observe(self, batch: ScheduledBatch, num_running: int, seconds: float) -> None:
-        """A step in which every sequence decoded (the engine leaves out steps with prompt chunks: they cost what
-        their prompts cost) took `seconds`: the adaptive width learns from it when all verified one width."""
+        """A step took `seconds`: the adaptive width learns from it when every sequence decoded at one width (each
+        computed its committed token and its drafts; a step with prompt chunks costs what its prompts cost)."""
         verified, self.verified = self.verified, []
         if self.adaptive is None or self.config.width_override(num_running) is not None:
             return
-        widths = {drafted for drafted, _ in verified} or {0}
-        if len(widths) == 1 and len(verified) in (0, len(batch.seqs)):
-            self.adaptive.observe(num_running, widths.pop(), seconds, verified)
+        drafted = [d for d, _ in verified] if verified else [0] * len(batch.seqs)  # none verified: a plain step
+        if len(drafted) != len(batch.seqs) or len(set(drafted)) != 1 or \
+                any(n != 1 + d for n, d in zip(batch.num_new_tokens, drafted)):
+            return
+        self.adaptive.observe(num_running, drafted[0], seconds, verified)
 
     def skip_drafting(self, seqs: list[Sequence]) -> None:
         """After a step without draft work: the draft's cache misses the positions the target computed; it attends
