@@ -72,7 +72,7 @@ def categories(stats: pstats.Stats, steps: int) -> dict[str, float]:
         "model, other": cum("models/deepseek_v3.py", "forward", at(dsv3.DeepseekV3Model.forward)),
         "lm head": cum("models/deepseek_v3.py", "compute_logits"),
         "sampling": cum("engine/sampling.py", "process_logits") + cum("engine/sampling.py", "sample"),
-        "stop checks": cum("engine/llm.py", "_stop_reason"),
+        "commit (append, stop checks)": cum("engine/scheduler.py", "commit"),
     }
     out["model, other"] -= out["attention"] + out["MoE"]
     step = cum("engine/llm.py", "step", at(LLM.step))

@@ -26,7 +26,7 @@ from eyas.engine.llm import DEFAULT_MODEL
 
 def timed(llm: LLM, prompts: list, params: SamplingParams):
     if llm.speculative is not None:  # each repeat draws the same synthetic acceptances: fastest is not luckiest
-        llm.speculative.accept.generator.manual_seed(0)
+        llm.runner.verifier.accept.generator.manual_seed(0)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - start, outs

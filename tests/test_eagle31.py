@@ -175,7 +175,7 @@ def test_greedy_speculation_with_every_switch_equals_plain(target_path, tmp_path
               num_speculative_tokens=k)
     assert llm.draft.config.switches == {name: switches.get(name, False) for name in EAGLE31_SWITCHES}
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert llm.speculative.metrics.num_drafted > 0
+    assert llm.scheduler.metrics.num_drafted > 0
 
 
 @pytest.mark.parametrize("switches", CASES[1:], ids=case_id)

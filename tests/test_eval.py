@@ -29,7 +29,7 @@ def test_report_adds_up_the_requests(copying):
     llm.encode = lambda prompt: [5, 6, 7] if prompt == "x" else [9, 10]  # token-id prompts, no tokenizer needed
     records[0]["prompt"], records[1]["prompt"] = "x", "y"
     report = evaluate(llm, records, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    totals = llm.speculative.metrics
+    totals = llm.scheduler.metrics
     assert report["overall"]["verify_steps"] == totals.num_verify_steps
     assert report["overall"]["accepted_drafts"] == totals.num_accepted
     assert report["overall"]["acceptance_length"] == pytest.approx(totals.acceptance_length, abs=1e-4)

@@ -343,7 +343,7 @@ def test_mtp_speculative_greedy_equals_generate(checkpoint, reference):
             chunks = list(client.completions.create(model=NAME, prompt=prompt, stream=True, **greedy(16)))
             assert "".join(c.choices[0].text for c in chunks) == ref.text
         m = metrics(url)
-    spec = llm.speculative.metrics
+    spec = llm.scheduler.metrics
     assert spec.num_verify_steps > 0
     for prefix in ("eyas", "vllm"):
         assert m[(f"{prefix}:spec_decode_num_drafts_total", ())] == spec.num_verify_steps

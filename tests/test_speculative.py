@@ -9,6 +9,7 @@ from tiny import YARN, make_hf_checkpoint
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
+from eyas.engine.sequence import check_invariants
 
 
 def rig_bigram_target_and_copying_mtp(path):
@@ -122,9 +123,9 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [[5, 6], [7, 8], [9]]
     llm = LLM(copying_mtp, speculative_config=config)
-    speculative_steps = []
-    step = llm.speculative.step
-    llm.speculative.step = lambda *args: speculative_steps.append(1) or step(*args)
+    speculative_steps = []  # draft forwards
+    forward = llm.draft.forward
+    llm.draft.forward = lambda *args: speculative_steps.append(1) or forward(*args)
     crowded = llm.generate(prompts, params)
     assert all(o.num_drafted == 0 for o in crowded)  # three always running: never a draft
     assert not speculative_steps  # ... and every step is the plain one: no cost over plain decoding
@@ -139,28 +140,60 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
 
 @pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
 def test_drafting_resumes_when_the_batch_shrinks(request, checkpoint):
-    """Three running: no drafts; once one finishes, the other two draft again, attending only to the positions
-    computed since. Output equals plain greedy throughout."""
+    """Three running: no draft work, and the draft's step-0 inputs of every computed position are kept; once one
+    finishes, the other two catch up in one draft pass and draft again over their whole context. Output equals
+    plain greedy throughout, and the sequence invariants hold after every step."""
     path = request.getfixturevalue(checkpoint)
     config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, disable_batch_size=3)
     prompts = [[5, 6], [7, 8, 9, 10], [11]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 40, 40)]
     llm = LLM(path, speculative_config=config)
     seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
-    context_start = None
+    paused, resumed = None, None
     while llm.scheduler.has_work():
         llm.step()
-        if context_start is None and seqs[0].is_finished:  # the draft's cache misses everything computed so far
-            context_start = [s.num_computed for s in seqs[1:]]
-            assert [s.draft_context_start for s in seqs[1:]] == context_start and min(context_start) >= 6
-    assert [s.draft_context_start for s in seqs[1:]] == context_start  # unchanged while drafting
+        for s in seqs:
+            check_invariants(s, llm.allocator.block_size)
+        if paused is None and seqs[0].is_finished:  # nothing drafted yet: every computed position is pending
+            paused = [s.num_computed for s in seqs[1:]]
+            assert [s.num_draft_computed for s in seqs[1:]] == [0, 0] and min(paused) >= 6
+        elif paused is not None and resumed is None:  # the next step caught up
+            resumed = [(s.num_draft_computed, s.num_computed, len(s.pending_draft_inputs)) for s in seqs[1:]]
+    assert all(d == n and not pending for d, n, pending in resumed)
     spec = [llm.output(s) for s in seqs]
     plain = LLM(path).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[0].num_drafted == 0 and spec[1].num_drafted > 0 and spec[2].num_drafted > 0
-    if checkpoint == "copying_mtp":  # the rig's drafts need no context: acceptance is back in full
+    if checkpoint == "copying_mtp":
         assert min(spec[1].acceptance_length, spec[2].acceptance_length) > 3
     assert llm.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["random_mtp", "mla", "mha"])
+def test_drafts_after_a_pause_are_those_of_a_full_context(request, eagle_drafts, kind):
+    """The first drafts proposed after drafting resumes equal those a fresh engine proposes after prefilling the
+    same tokens as a prompt: the draft's context has no hole where drafting was off (a draft that attended only to
+    the positions after the pause proposes different tokens with these context-dependent random drafts)."""
+    if kind == "random_mtp":
+        target, spec = request.getfixturevalue("random_mtp"), {"speculative_method": "mtp"}
+    else:
+        target, draft = eagle_drafts[kind]
+        spec = {"speculative_method": "eagle", "draft_model": draft}
+    config = SpeculativeConfig(num_speculative_tokens=3, disable_batch_size=3, **{
+        "method": spec["speculative_method"], "draft_model": str(spec.get("draft_model") or "") or None})
+    llm = LLM(target, speculative_config=config)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 40, 40)]
+    seqs = [llm.add_request(p, sp) for p, sp in zip([[5, 6], [7, 8, 9, 10, 11, 12], [13]], params)]
+    while not seqs[0].is_finished:
+        llm.step()
+    assert not seqs[1].draft_tokens and seqs[1].num_draft_computed == 0
+    llm.step()  # two running: catch up, draft
+    tokens, drafts = list(seqs[1].token_ids), list(seqs[1].draft_tokens)
+    assert len(drafts) == 3 and len(tokens) >= 18
+    fresh = LLM(target, num_speculative_tokens=3, **spec)
+    again = fresh.add_request(tokens[:-1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    fresh.step()  # prefill: commits tokens[-1] (greedy), then drafts over the whole prompt
+    assert again.token_ids == tokens and again.draft_tokens == drafts
 
 
 @pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
@@ -268,7 +301,7 @@ def test_eos_inside_an_accepted_eagle_run(eagle_drafts):
 def test_totals_add_up_the_requests(copying_mtp):
     llm = LLM(copying_mtp, speculative_method="mtp", num_speculative_tokens=3)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))
-    totals = llm.speculative.metrics
+    totals = llm.scheduler.metrics
     assert totals.num_drafted == sum(o.num_drafted for o in outs)
     assert totals.num_accepted == sum(o.num_accepted for o in outs)
     # each verify step commits its accepted drafts plus one token; the first token comes from the prefill

@@ -132,7 +132,7 @@ def test_greedy_constrained_speculative_equals_plain_shipped(k):
     prompts = PROMPTS[:len(params)]
     for a, b in zip(plain.generate(prompts, params), specd.generate(prompts, params)):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
-    assert specd.speculative.metrics.acceptance_length > 1.0
+    assert specd.scheduler.metrics.acceptance_length > 1.0
 
 
 @shipped

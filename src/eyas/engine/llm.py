@@ -1,5 +1,5 @@
-"""`LLM`: requests in, text out. Owns the tokenizer, the scheduler and the step loop:
-schedule -> run -> sample -> postprocess (append, stop, free)."""
+"""`LLM`: requests in, text out. Owns the tokenizer, the scheduler, the runner and the step loop:
+schedule -> run -> commit."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from tqdm import tqdm
 from eyas.checkpoint import load_model
 from eyas.config import SpeculativeConfig
 from eyas.engine.chat import encode_chat
-from eyas.engine.grammar import GrammarCache, apply_bitmask
+from eyas.engine.grammar import GrammarCache
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.model_runner import ModelRunner
-from eyas.engine.sampling import TokenLogprobs, process_logits, sample, token_logprobs
+from eyas.engine.proposer import Proposer
+from eyas.engine.sampling import TokenLogprobs
 from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
-from eyas.engine.speculative import SpeculativeDecoder
+from eyas.engine.stop import StopChecker
 from eyas.models.layers import pack_for_inference
 from eyas.sampling_params import SamplingParams
 from eyas.threads import configure_threads
@@ -95,19 +96,34 @@ class LLM:
             num_blocks = default_num_blocks(config, self.model.lm_head.weight, max_num_seqs, self.max_model_len,
                                             block_size, kv_cache_memory_gb, speculative_config is not None)
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens)
-        self.eos_token_ids = set(config.eos_token_ids)
+        eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            eos_token_ids.add(self.tokenizer.eos_token_id)
         self._grammars: GrammarCache | None = None  # built on the first structured-output request (grammar_cache)
         self._grammars_lock = threading.Lock()
-        self.speculative = None
+        self.draft = None
         if speculative_config is not None:
             self.draft = load_draft_for(speculative_config, self.model)
             pack_for_inference(self.draft)
-            self.speculative = SpeculativeDecoder(self.runner, self.draft, speculative_config, self.allocator,
-                                                  self.max_model_len, think_token_ids(self.tokenizer))
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.draft, speculative_config,
+                                  self.max_model_len, think_token_ids(self.tokenizer))
+        # a sampling sequence commits up to K + 1 tokens and then gets up to K drafts
+        lookahead = 1 + speculative_config.max_num_tokens if speculative_config is not None else 0
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
+                                   StopChecker(eos_token_ids, self.tokenizer, self.max_model_len), lookahead)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.scheduler.stop.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.scheduler.stop.eos_token_ids = set(ids)
+
+    @property
+    def speculative(self) -> Proposer | None:
+        """The draft side of the engine; None when decoding plainly."""
+        return self.runner.proposer
 
     # -- requests ------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -148,93 +164,12 @@ class LLM:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One engine step: schedule -> run (plain or speculative) -> commit; returns the sequences finished."""
+        """One engine step; returns the sequences it finished."""
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
-        num_running = len(self.scheduler.running)
-        start = time.perf_counter()
-        if self.speculative is not None and not self.speculative.is_plain_step(batch, num_running):
-            prefill_next = bool(self.scheduler.waiting) or any(  # a prompt is left to prefill after this step
-                s.num_computed + n < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
-            new_tokens, new_logprobs = self.speculative.step(batch, num_running, prefill_next)
-        else:
-            new_tokens, new_logprobs = self._plain_step(batch)
-            if self.speculative is not None:
-                self.speculative.skip_drafting(batch.seqs)
-        if self.speculative is not None:  # what the adaptive width learns from
-            self.speculative.observe(batch, num_running, time.perf_counter() - start)
-        finished = []
-        now = time.perf_counter()
-        for seq, tokens, logprobs in zip(batch.seqs, new_tokens, new_logprobs):
-            for k, token in enumerate(tokens):  # one at a time: a stop inside an accepted run drops the tokens after it
-                seq.token_ids.append(token)
-                if logprobs is not None:
-                    seq.logprobs.append(logprobs[k])
-                seq.first_token_time = seq.first_token_time or now
-                reason = self._stop_reason(seq, token)
-                if reason:
-                    seq.finish_time = now
-                    self.scheduler.finish(seq, reason)
-                    finished.append(seq)
-                    break
-        return finished
-
-    def _plain_step(self, batch) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
-        hidden, _, query_lens = self.runner.forward(batch)
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, query_lens)) if s.num_computed + n == len(s)]
-        for seq, n in zip(batch.seqs, query_lens):
-            seq.num_computed += n
-        new_tokens: list[list[int]] = [[] for _ in batch.seqs]
-        new_logprobs: list[list[TokenLogprobs] | None] = [None for _ in batch.seqs]
-        if rows:
-            last_rows = torch.tensor(query_lens).cumsum(0)[rows] - 1
-            seqs = [batch.seqs[i] for i in rows]
-            params = [s.params for s in seqs]
-            with torch.inference_mode():
-                logits = self.model.compute_logits(hidden[last_rows])
-                masked = logits
-                constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
-                if constrained:  # grammar mask before temperature and top-k/p, as in the speculative step
-                    bitmask = self.grammar_cache().new_bitmask(len(seqs))
-                    for r in constrained:
-                        seqs[r].grammar.fill_mask(bitmask, r)
-                    masked = apply_bitmask(logits, bitmask)
-                tokens = sample(process_logits(masked, params), params, [s.generator for s in seqs]).tolist()
-                wanted = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
-                if wanted:
-                    entries = token_logprobs(logits[wanted], [tokens[r] for r in wanted],
-                                             [seqs[r].params.logprobs for r in wanted])
-                    for r, entry in zip(wanted, entries):
-                        new_logprobs[rows[r]] = [entry]
-            for i, seq, token in zip(rows, seqs, tokens):
-                new_tokens[i] = [token]
-                if seq.grammar is not None:
-                    seq.grammar.advance([token])
-        return new_tokens, new_logprobs
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        # under a grammar, EOS is allowed only where the structured output is complete: it ends even with ignore_eos
-        if (token in self.eos_token_ids and (not p.ignore_eos or seq.grammar is not None)) \
-                or token in p.stop_token_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            # checked after every token, so a stop string that has just appeared ends within the last few tokens:
-            # decode those (a string of n characters spans at most n tokens that print; the margin covers tokens
-            # that print nothing or half a character), and the whole text only on a hit, to cut it there.
-            # Decoding the whole output each token was quadratic in its length
-            window = 2 * max(len(s) for s in p.stop) + 8
-            tail = self.tokenizer.decode(seq.generated_ids[-window:], skip_special_tokens=True)
-            if any(s in tail for s in p.stop):
-                text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True)
-                hits = [text.find(s) for s in p.stop if s in text]
-                if hits:
-                    seq.text = text[:min(hits)]
-                    return "stop"
-        if seq.num_generated >= p.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        output = self.runner.run(batch)
+        return self.scheduler.commit(batch, output)
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = seq.text
@@ -280,16 +215,15 @@ class LLM:
         speculative decoding on the same engine. No request may be in flight on entry."""
         if self.scheduler.has_work():
             raise RuntimeError("plain_decoding() needs an idle engine: finish the running requests first")
-        speculative, self.speculative = self.speculative, None
+        proposer, self.runner.proposer = self.runner.proposer, None
         try:
             yield
         finally:
-            self.speculative = speculative
+            self.runner.proposer = proposer
 
     def abort(self, seq: Sequence) -> None:
         """Cancel a request between steps: it finishes with reason "abort" and its KV blocks are freed now."""
         if not seq.is_finished:
-            seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, "abort")
 
 

@@ -1,17 +1,36 @@
-"""Runs the target over a scheduled ragged batch: builds the step's attention metadata, owns the paged caches."""
+"""Runs one step over a scheduled ragged batch and returns what it computed (`StepOutput`); it reads the batch's
+sequences and never writes them (`Scheduler.commit` applies the output). Owns the paged caches.
+
+The step, in phase order (K = the width the proposer chooses; K = 0 is plain decoding, no draft work):
+
+  1. merge     each sequence's input = its uncomputed committed token(s) + the drafts proposed last step
+               (prefill rows: a prompt chunk, no drafts)
+  2. verify    one target forward over the ragged batch -> hidden states (and the draft's aux hidden states)
+  3. accept    `Verifier`: logits at the verify rows -> grammar mask -> sampling processing -> acceptance rule
+  4. rollback  the target KV of rejected drafts is dropped: num_computed stops after the last accepted draft
+  5. propose   `Proposer`: the draft chain over the kept positions -> the next K drafts
+  6. pack      one `StepOutput`
+"""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from eyas.config import SpeculativeConfig
+from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
 from eyas.engine.kv_cache import LatentCache
-from eyas.engine.scheduler import ScheduledBatch
+from eyas.engine.proposer import DraftHead, Proposal, Proposer
+from eyas.engine.verifier import Verifier
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int, block_size: int,
+                 draft: DraftHead | None = None, speculative_config: SpeculativeConfig | None = None,
+                 max_model_len: int | None = None, think_token_ids: tuple[int, int] | None = None) -> None:
         self.model = model
         config = model.config
         weight = model.lm_head.weight
@@ -20,23 +39,49 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
-
-    def metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                 kv_starts: list[int] | None = None) -> AttentionMetadata:
-        return AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device, kv_starts)
+        self.verifier = Verifier(model, speculative_config, think_token_ids)
+        self.proposer = None
+        if draft is not None:
+            self.proposer = Proposer(draft, speculative_config, num_blocks * block_size, block_size,
+                                     max_model_len or config.max_position_embeddings, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, aux_hidden_state_ids: tuple[int, ...] = ()):
-        """Target forward over this step's tokens (committed, then pending drafts, per sequence).
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        start = time.perf_counter()
+        seqs = batch.seqs
+        proposer = self.proposer
+        width = proposer.width(batch) if proposer is not None else 0
+        layout = VerifyLayout.of(batch)
+        # 1-2. merge and verify
+        aux_ids = proposer.draft.aux_hidden_state_ids if proposer is not None else ()
+        hidden, aux = self.forward(batch, aux_ids)
+        # 3. accept
+        verified = self.verifier(seqs, hidden, layout)
+        # 4. rollback: keep the target KV of committed tokens and accepted drafts only
+        num_computed = [seq.num_computed + layout.num_kept(i, a)
+                        for i, (seq, a) in enumerate(zip(seqs, verified.num_accepted))]
+        num_verified = [layout.num_drafts[i] if i in layout.sampling else 0 for i in range(len(seqs))]
+        # 5. propose
+        if proposer is None:
+            proposal = Proposal([[] for _ in seqs], num_computed, [None] * len(seqs), False)
+        else:
+            proposal = proposer.propose(batch, layout, hidden, aux, verified.new_tokens, verified.num_accepted, width)
+        # 6. pack
+        output = StepOutput(verified.new_tokens, num_computed, proposal.draft_tokens, proposal.num_draft_computed,
+                            proposal.pending_draft_inputs, verified.logprobs, num_verified, verified.num_accepted)
+        if proposer is not None:
+            proposer.observe(batch, num_verified, verified.num_accepted, time.perf_counter() - start, proposal)
+        return output
 
-        Returns (final hidden [num_tokens, H], aux hidden states, query_lens)."""
-        input_ids, query_lens, seq_lens = [], [], []
+    def forward(self, batch: ScheduledBatch, aux_hidden_state_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Target forward over this step's tokens (committed, then pending drafts, per sequence): final hidden
+        states [num_tokens, H] and the aux hidden states asked for."""
+        input_ids, seq_lens = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            tokens = seq.token_ids + seq.draft_tokens
+            tokens = seq.token_ids + seq.draft_tokens if seq.draft_tokens else seq.token_ids
             input_ids.extend(tokens[seq.num_computed:seq.num_computed + n])
-            query_lens.append(n)
             seq_lens.append(seq.num_computed + n)
-        attn = self.metadata(query_lens, seq_lens, [s.block_table for s in batch.seqs])
-        hidden, aux = self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache,
-                                       aux_hidden_state_ids)
-        return hidden, aux, query_lens
+        attn = AttentionMetadata.build(batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs],
+                                       self.block_size, self.device)
+        return self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache, aux_hidden_state_ids)

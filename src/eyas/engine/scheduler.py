@@ -1,37 +1,58 @@
-"""Which sequences run this step and how many tokens each computes. Plain Python; no torch.
+"""The one owner of sequence state: which sequences run each step (`schedule`) and what the step changed
+(`commit`). Plain Python; no torch.
 
 Each step: every running sequence that has caught up decodes (1 token, or its pending tokens), then waiting and
 partially-prefilled sequences fill the rest of the token budget with prompt chunks. When the cache runs out of
 blocks for a decode, the most recently admitted sequence is preempted: its blocks are freed and it waits to be
-recomputed from its tokens (its generated tokens are kept, so the output is unchanged).
+recomputed from its tokens (its generated tokens are kept, so the output is unchanged). A sequence that will
+sample also gets `num_lookahead_slots` more slots where blocks are free, for the tokens it may commit and the
+drafts proposed after them (never preempting for them: with fewer slots it drafts fewer tokens).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from eyas.engine.batch import ScheduledBatch, StepOutput
 from eyas.engine.kv_cache import BlockAllocator
 from eyas.engine.sequence import Sequence, Status
+from eyas.engine.stop import StopChecker
 
 
 @dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes: (token_ids + draft_tokens)[num_computed:][:n]
+class SpeculativeMetrics:
+    """Totals over every verify step (the counters vLLM exposes)."""
 
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
+    num_verify_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+    def as_dict(self) -> dict:
+        steps = self.num_verify_steps
+        return {"num_verify_steps": steps, "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
+                "acceptance_length": round(self.acceptance_length, 4),
+                "accepted_per_position": [round(a / steps, 4) for a in self.accepted_per_position] if steps else []}
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 stop: StopChecker | None = None, num_lookahead_slots: int = 0) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.stop = stop or StopChecker(set(), None, max_model_len=1 << 62)
+        self.num_lookahead_slots = num_lookahead_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.metrics = SpeculativeMetrics()
 
     def add(self, seq: Sequence) -> None:
         if self.allocator.blocks_for(len(seq) + 1) > self.allocator.num_blocks:
@@ -79,13 +100,72 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        # 3. lookahead: a sequence that samples may commit up to len(drafts) + 1 tokens and then get drafts
+        if self.num_lookahead_slots:
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                if seq.num_computed + n - len(seq.draft_tokens) == len(seq):
+                    self._grow_best_effort(seq, seq.num_computed + n + self.num_lookahead_slots)
+        batch.num_running = len(self.running)
+        batch.prefill_next = bool(self.waiting) or any(
+            s.num_computed + n < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
         return batch
+
+    def commit(self, batch: ScheduledBatch, output: StepOutput) -> list[Sequence]:
+        """Apply a step's output to its sequences; return those that finished."""
+        finished = []
+        for i, seq in enumerate(batch.seqs):
+            seq.num_computed = output.num_computed[i]
+            seq.num_draft_computed = output.num_draft_computed[i]
+            pending = output.pending_draft_inputs[i]
+            if seq.num_draft_computed == seq.num_computed:
+                seq.pending_draft_inputs = []
+            elif pending is not None:
+                seq.pending_draft_inputs.append(pending)
+            seq.draft_tokens = list(output.draft_tokens[i])
+            self._count(seq, output.num_verified[i], output.num_accepted[i])
+            if seq.grammar is not None:
+                seq.grammar.advance(output.new_tokens[i])
+            logprobs = output.logprobs[i]
+            if output.new_tokens[i]:
+                seq.first_token_time = seq.first_token_time or time.perf_counter()
+            for k, token in enumerate(output.new_tokens[i]):
+                # one at a time: a stop inside an accepted run drops the tokens after it
+                seq.token_ids.append(token)
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs[k])
+                reason = self.stop.reason(seq, token)
+                if reason:
+                    self.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            if not seq.is_finished:
+                self.allocator.shrink(seq.block_table, max(len(seq) + len(seq.draft_tokens), seq.num_computed))
+        return finished
+
+    def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        for counts in (seq, self.metrics):
+            counts.num_verify_steps += 1
+            counts.num_drafted += num_drafts
+            counts.num_accepted += num_accepted
+            while len(counts.accepted_per_position) < num_drafts:
+                counts.accepted_per_position.append(0)
+            for j in range(num_accepted):
+                counts.accepted_per_position[j] += 1
+
+    def _grow_best_effort(self, seq: Sequence, num_tokens: int) -> None:
+        have = len(seq.block_table)
+        extra = min(self.allocator.blocks_for(num_tokens) - have, self.allocator.num_free)
+        if extra > 0:
+            self.allocator.grow(seq.block_table, (have + extra) * self.allocator.block_size)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.num_computed = 0
-        seq.draft_context_start = 0
+        seq.num_draft_computed = 0
+        seq.pending_draft_inputs = []
         seq.draft_tokens = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -94,8 +174,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.finish_time = seq.finish_time or time.perf_counter()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.block_table)
+        seq.pending_draft_inputs = []

@@ -1,4 +1,17 @@
-"""A request's state as the engine sees it: tokens, how many are in the KV cache, its blocks."""
+"""A request's state as the engine sees it: tokens, how many are in the KV cache, its blocks.
+
+Only `Scheduler` writes it (`schedule` admits, grows and preempts; `commit` applies a step's output). Between
+steps every sequence satisfies these invariants (`check_invariants` asserts them):
+
+  waiting      nothing cached: num_computed == num_draft_computed == 0, no blocks, no drafts, no pending inputs
+  prefilling   num_computed < num_prompt_tokens == len(token_ids), no drafts
+  decoding     num_computed == len(token_ids) - 1: exactly one committed token is not in the target's KV cache yet,
+               and draft_tokens (0..K) follow it; they are computed and verified together next step
+  running      the blocks hold every position the next step writes: len(token_ids) + len(draft_tokens) tokens
+  draft        num_draft_computed <= num_computed: the draft's cache holds positions below num_draft_computed, and
+               pending_draft_inputs holds the draft's step-0 inputs of the positions in between (one row each), so
+               drafting that was paused resumes by running them first
+"""
 
 from __future__ import annotations
 
@@ -33,9 +46,8 @@ class Sequence:
         self.num_computed = 0  # tokens whose KV entries are in the cache
         self.block_table: list[int] = []  # shared by the target's cache and the draft's
         self.draft_tokens: list[int] = []  # proposed last step, verified next step
-        # the draft's cache holds this sequence's positions from here on; those before were computed while
-        # drafting was off (SpeculativeConfig.disable_batch_size), and the draft does not attend to them
-        self.draft_context_start = 0
+        self.num_draft_computed = 0  # positions in the draft's cache
+        self.pending_draft_inputs: list[torch.Tensor] = []  # step-0 inputs of positions num_draft_computed.. on
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_verify_steps = 0
@@ -69,3 +81,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def check_invariants(seq: Sequence, block_size: int) -> None:
+    """Assert the invariants of the module docstring (tests call this between steps)."""
+    pending = sum(t.shape[0] for t in seq.pending_draft_inputs)
+    if seq.status is Status.WAITING:
+        assert seq.num_computed == seq.num_draft_computed == pending == 0, "a waiting sequence has nothing cached"
+        assert not seq.block_table and not seq.draft_tokens, "a waiting sequence holds no blocks and no drafts"
+        return
+    if seq.status is Status.FINISHED:
+        assert not seq.block_table, "a finished sequence holds no blocks"
+        return
+    if seq.num_computed < seq.num_prompt_tokens:
+        assert len(seq) == seq.num_prompt_tokens and not seq.draft_tokens, "a prefilling sequence has no drafts"
+    else:
+        assert seq.num_computed == len(seq) - 1, \
+            f"a decoding sequence has one uncomputed token: num_computed {seq.num_computed}, {len(seq)} tokens"
+    assert len(seq.block_table) * block_size >= len(seq) + len(seq.draft_tokens), "blocks for the next step"
+    assert seq.num_draft_computed + pending == seq.num_computed, \
+        f"draft cache {seq.num_draft_computed} + pending {pending} != num_computed {seq.num_computed}"

@@ -96,7 +96,7 @@ class ServerMetrics:
             out.append(f"{name}{'_total' if name == 'eyas:num_preemptions' else ''}{{{lb}}} {value}")
 
         if llm.speculative is not None:
-            m = llm.speculative.metrics
+            m = llm.scheduler.metrics
             per_pos = list(m.accepted_per_position)
             for prefix in ("eyas", "vllm"):
                 for name, value, help in (

@@ -1,0 +1,181 @@
+"""The propose half of a step: the draft chain over the positions whose next token is now known.
+
+  step 0     one draft forward over every position p the target kept this step (and, after a pause, the positions
+             computed while drafting was off, from their kept inputs), each paired with token p + 1 and the target's
+             fused aux hidden states at p; the output at the last position proposes the first draft
+  steps 1..  one token per sequence, on the draft's own pre-norm output, until each sequence has its width
+
+Worked example, K = 3, committed [.. t9] with t9 at position 9 and drafts [d10, d11, d12]; d10 is accepted and
+d11 rejected: the target's x11 is committed after d10, its KV is kept for positions 9..10. Step 0 runs on pairs
+(h9, d10) and (h10, x11) at positions 9 and 10 and proposes d12' for position 12 (x11, at 11, is computed next
+step with the drafts); steps 1 and 2 run at positions 11 and 12 and propose d13', d14'.
+
+Drafting off (width 0: a large batch) runs no draft at all; the step-0 inputs of the positions the target computed
+are kept on the sequence instead, and the first step that drafts again runs them in the same step-0 pass, so the
+draft never attends to a hole in its context. Structured output: a constrained sequence's proposals are the argmax
+over the tokens its grammar allows; its matcher is advanced while drafting and rolled back after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eyas.config import SpeculativeConfig
+from eyas.engine.adaptive_width import AdaptiveWidth
+from eyas.engine.batch import ScheduledBatch, VerifyLayout
+from eyas.engine.grammar import apply_bitmask
+from eyas.engine.sequence import Sequence
+from eyas.models.attention import AttentionMetadata
+
+
+class DraftHead(Protocol):
+    """What the engine needs of a draft; `Eagle3Draft` and `MTPDraft` implement it."""
+
+    aux_hidden_state_ids: tuple[int, ...]  # the target layers whose outputs step 0 reads (HF hidden_states ids)
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        """Step 0's hidden input [rows, H] from the target's final hidden state and its aux hidden states."""
+
+    def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
+                 cache: torch.Tensor) -> torch.Tensor:
+        """One draft forward over a ragged batch: pre-norm outputs [rows, H]; writes its KV into `cache`."""
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [rows, vocab]."""
+
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """argmax of compute_logits, in target token ids [rows]."""
+
+    def cache_entry_shape(self) -> tuple[int, ...]:
+        """The shape of one position's entry in the draft's cache."""
+
+
+@dataclass(slots=True)
+class Proposal:
+    draft_tokens: list[list[int]]
+    num_draft_computed: list[int]
+    pending_draft_inputs: list[torch.Tensor | None]
+    caught_up: bool  # step 0 also ran positions from a pause
+
+
+class Proposer:
+    def __init__(self, draft: DraftHead, config: SpeculativeConfig, num_slots: int, block_size: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.draft = draft
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.adaptive = AdaptiveWidth(config.num_speculative_tokens) if config.adaptive_width else None
+        # the draft's one-layer cache, addressed through the same block tables as the target's
+        self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=dtype, device=device)
+
+    def width(self, batch: ScheduledBatch) -> int:
+        """Drafts to propose in this step for the next: a configured override for this batch size, else the
+        adaptive width, else K; capped by the mixed-batch width when prompts will still be prefilling."""
+        override = self.config.width_override(batch.num_running)
+        if override is not None:
+            width = override
+        elif self.adaptive is not None:
+            width = self.adaptive.width(batch.num_running)
+        else:
+            width = self.config.num_speculative_tokens
+        if batch.prefill_next and self.config.num_speculative_tokens_mixed_batch is not None:
+            width = min(width, self.config.num_speculative_tokens_mixed_batch)
+        return width
+
+    def observe(self, batch: ScheduledBatch, num_verified: list[int], num_accepted: list[int], seconds: float,
+                proposal: Proposal) -> None:
+        """A step took `seconds`: the adaptive width learns from it when every sequence decoded at one width (each
+        computed its committed token and its drafts; a step with prompt chunks costs what its prompts cost, and
+        one that caught up after a pause what the pause left)."""
+        if self.adaptive is None or self.config.width_override(batch.num_running) is not None or proposal.caught_up:
+            return
+        if len(set(num_verified)) != 1 or any(n != 1 + d for n, d in zip(batch.num_new_tokens, num_verified)):
+            return
+        self.adaptive.observe(batch.num_running, num_verified[0], seconds, list(zip(num_verified, num_accepted)))
+
+    def propose(self, batch: ScheduledBatch, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
+                new_tokens: list[list[int]], num_accepted: list[int], width: int) -> Proposal:
+        seqs = batch.seqs
+        kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
+        rows = [r for k in kept for r in k]
+        fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
+        per_seq = list(fused.split([len(k) for k in kept]))
+        num_computed = [s.num_computed + len(k) for s, k in zip(seqs, kept)]
+        if width == 0:  # no draft work; keep what step 0 needs for when drafting resumes
+            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs], per_seq, False)
+
+        # step 0 over each sequence's positions num_draft_computed..num_computed - 1
+        inputs, next_tokens, lens = [], [], []
+        for seq, new, x, end in zip(seqs, new_tokens, per_seq, num_computed):
+            inputs.extend(seq.pending_draft_inputs)
+            inputs.append(x)
+            next_tokens.extend((seq.token_ids + new)[seq.num_draft_computed + 1:end + 1])
+            lens.append(end - seq.num_draft_computed)
+        caught_up = any(s.pending_draft_inputs for s in seqs)
+        attn = AttentionMetadata.build(lens, num_computed, [s.block_table for s in seqs], self.block_size,
+                                       self.device)
+        prenorm = self.draft(torch.cat(inputs) if len(inputs) > 1 else inputs[0],
+                             torch.tensor(next_tokens, device=self.device), attn, self.draft_cache)
+        last_rows = torch.tensor(lens).cumsum(0) - 1
+
+        drafts: list[list[int]] = [[] for _ in seqs]
+        budgets = [self._budget(seq, len(new), width) if i in layout.sampling else 0
+                   for i, (seq, new) in enumerate(zip(seqs, new_tokens))]
+        grammar_steps = [seq.grammar.advance(new) if seq.grammar is not None else 0
+                         for seq, new in zip(seqs, new_tokens)]
+        active = [i for i, k in enumerate(budgets) if k > 0]
+        positions = [num_computed[i] - 1 for i in active]  # each active sequence's last step-0 position
+        hidden_k = prenorm[last_rows[active]] if active else prenorm[:0]
+        tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
+        # steps 1..: one position per sequence that still wants drafts
+        for k in range(1, max(budgets, default=0)):
+            keep = [j for j, i in enumerate(active) if budgets[i] > k]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            positions = [positions[j] + 1 for j in keep]
+            attn = AttentionMetadata.build([1] * len(active), [p + 1 for p in positions],
+                                           [seqs[i].block_table for i in active], self.block_size, self.device)
+            hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
+            tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
+        for seq, steps, d in zip(seqs, grammar_steps, drafts):  # back to the committed state; commit advances it
+            if seq.grammar is not None:
+                seq.grammar.rollback(steps + len(d))
+        return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
+
+    def _budget(self, seq: Sequence, num_new: int, width: int) -> int:
+        """Drafts for `seq` once `num_new` tokens are committed: the width, capped by its remaining max_tokens, the
+        context length and the slots its blocks hold (the scheduler's lookahead)."""
+        length = len(seq) + num_new
+        slots = len(seq.block_table) * self.block_size
+        return max(0, min(width, seq.params.max_tokens - (seq.num_generated + num_new) - 1,
+                          self.max_model_len - length, slots - length))
+
+    def _next_drafts(self, hidden_k: torch.Tensor, active: list[int], seqs: list[Sequence],
+                     drafts: list[list[int]], budgets: list[int]) -> torch.Tensor:
+        """The draft's greedy proposals [len(active)] from its pre-norm outputs, appended to each active sequence's
+        drafts. A constrained sequence proposes the argmax over the tokens its grammar allows and its matcher
+        accepts it; it stops drafting (its budget is cut) at the grammar's end or when no token is allowed."""
+        tokens = self.draft.greedy_tokens(hidden_k)
+        constrained = [j for j, i in enumerate(active) if seqs[i].grammar is not None]
+        if constrained:
+            bitmask = seqs[active[constrained[0]]].grammar.cache.new_bitmask(len(constrained))
+            for r, j in enumerate(constrained):
+                seqs[active[j]].grammar.fill_mask(bitmask, r)
+            logits = apply_bitmask(self.draft.compute_logits(hidden_k[constrained]), bitmask)
+            tokens[constrained] = logits.argmax(-1)
+        for i, t in zip(active, tokens.tolist()):
+            grammar = seqs[i].grammar
+            if grammar is not None and not grammar.accept(t):
+                budgets[i] = len(drafts[i])
+                continue
+            drafts[i].append(t)
+            if grammar is not None and grammar.is_terminated:
+                budgets[i] = len(drafts[i])
+        return tokens

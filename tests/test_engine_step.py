@@ -1,0 +1,118 @@
+"""The step's pieces on hand-built states: VerifyLayout's row addressing, Scheduler.commit applying a StepOutput,
+and the sequence invariants (sequence.py) that hold between steps."""
+
+import pytest
+import torch
+
+from eyas import SamplingParams
+from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
+from eyas.engine.kv_cache import BlockAllocator
+from eyas.engine.scheduler import Scheduler
+from eyas.engine.sequence import Sequence, Status, check_invariants
+from eyas.engine.stop import StopChecker
+
+EOS = 1
+
+
+def running(allocator: BlockAllocator, prompt: list[int], generated: list[int], num_computed: int,
+            drafts: list[int] = (), max_tokens: int = 100) -> Sequence:
+    seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    seq.token_ids += generated
+    seq.num_computed = seq.num_draft_computed = num_computed
+    seq.draft_tokens = list(drafts)
+    seq.status = Status.RUNNING
+    allocator.grow(seq.block_table, len(seq) + len(seq.draft_tokens))
+    return seq
+
+
+def test_verify_layout_of_the_worked_example():
+    """sequence.py's example: A decodes t9 with drafts d10 d11, B prefills its last 4 prompt tokens, C the first 5
+    of 9."""
+    allocator = BlockAllocator(64, 4)
+    a = running(allocator, list(range(100, 109)), [109], 9, drafts=[110, 111])
+    b = running(allocator, list(range(200, 207)), [], 3)
+    c = running(allocator, list(range(300, 309)), [], 0)
+    layout = VerifyLayout.of(ScheduledBatch([a, b, c], [3, 4, 5]))
+    assert layout.starts == [0, 3, 7] and layout.num_rows == 12
+    assert layout.sampling == [0, 1]  # C's prompt is not done
+    assert layout.first_verify_row == [0, 6] and layout.logit_offsets == [0, 3]
+    assert layout.verify_rows() == [0, 1, 2, 6]
+    assert list(layout.kept_rows(0, 1)) == [0, 1]  # t9 and the accepted d10
+    assert list(layout.kept_rows(0, 0)) == [0] and list(layout.kept_rows(0, 2)) == [0, 1, 2]
+    assert list(layout.kept_rows(1, 0)) == [3, 4, 5, 6] and list(layout.kept_rows(2, 0)) == [7, 8, 9, 10, 11]
+
+
+def output(n: int, **fields) -> StepOutput:
+    empty = {"new_tokens": [[]] * n, "num_computed": [0] * n, "draft_tokens": [[]] * n,
+             "num_draft_computed": [0] * n, "pending_draft_inputs": [None] * n, "logprobs": [None] * n,
+             "num_verified": [0] * n, "num_accepted": [0] * n}
+    return StepOutput(**{**empty, **fields})
+
+
+def scheduler(allocator: BlockAllocator, *seqs: Sequence) -> Scheduler:
+    s = Scheduler(allocator, max_num_seqs=8, max_num_batched_tokens=64, stop=StopChecker({EOS}, None, 1000))
+    s.running.extend(seqs)
+    return s
+
+
+def test_commit_applies_a_verify_step():
+    """A (t9 + d10 d11) accepts d10, commits [d10, x11], gets drafts [d12, d13]; B commits its first token after its
+    prompt and keeps pending draft inputs (drafting was off for it). Blocks shrink to what the next step writes."""
+    allocator = BlockAllocator(64, 4)
+    a = running(allocator, list(range(100, 109)), [109], 9, drafts=[110, 111])
+    b = running(allocator, list(range(200, 207)), [], 3)
+    allocator.grow(a.block_table, 20)  # the scheduler's lookahead
+    batch = ScheduledBatch([a, b], [3, 4])
+    pending = torch.zeros(4, 8)
+    out = output(2, new_tokens=[[110, 311], [7]], num_computed=[11, 7], draft_tokens=[[312, 313], []],
+                 num_draft_computed=[11, 3], pending_draft_inputs=[None, pending], num_verified=[2, 0],
+                 num_accepted=[1, 0])
+    finished = scheduler(allocator, a, b).commit(batch, out)
+    assert finished == []
+    assert a.token_ids[-3:] == [109, 110, 311] and a.num_computed == 11 == len(a) - 1
+    assert a.draft_tokens == [312, 313] and len(a.block_table) == 4  # 12 tokens + 2 drafts -> 4 blocks of 4
+    assert (a.num_verify_steps, a.num_drafted, a.num_accepted, a.accepted_per_position) == (1, 2, 1, [1, 0])
+    assert b.generated_ids == [7] and b.pending_draft_inputs == [pending] and b.num_draft_computed == 3
+    for seq in (a, b):
+        check_invariants(seq, 4)
+
+
+def test_commit_stops_inside_an_accepted_run():
+    """The run [d10, EOS, x12]: EOS ends the sequence, x12 is dropped, its blocks and pending inputs are freed."""
+    allocator = BlockAllocator(64, 4)
+    a = running(allocator, [5, 6, 7], [8], 3, drafts=[10, EOS])
+    a.pending_draft_inputs = [torch.zeros(1, 8)]
+    s = scheduler(allocator, a)
+    out = output(1, new_tokens=[[10, EOS, 12]], num_computed=[6], draft_tokens=[[13]], num_draft_computed=[6],
+                 num_verified=[2], num_accepted=[2])
+    assert s.commit(ScheduledBatch([a], [3]), out) == [a]
+    assert a.generated_ids == [8, 10, EOS] and a.finish_reason == "stop" and a.first_token_time is not None
+    assert allocator.num_used == 0 and not a.pending_draft_inputs and a not in s.running
+    assert s.metrics.num_verify_steps == 1 and s.metrics.num_accepted == 2
+    check_invariants(a, 4)
+
+
+def test_commit_respects_max_tokens():
+    allocator = BlockAllocator(64, 4)
+    a = running(allocator, [5, 6, 7], [8], 3, drafts=[10, 11], max_tokens=3)
+    out = output(1, new_tokens=[[10, 11, 12]], num_computed=[6], num_draft_computed=[6], num_verified=[2],
+                 num_accepted=[2])
+    scheduler(allocator, a).commit(ScheduledBatch([a], [3]), out)
+    assert a.generated_ids == [8, 10, 11] and a.finish_reason == "length"
+
+
+def test_invariants_catch_a_half_updated_sequence():
+    allocator = BlockAllocator(64, 4)
+    a = running(allocator, [5, 6, 7], [8], 3, drafts=[10])
+    check_invariants(a, 4)
+    a.token_ids.append(11)  # committed but num_computed not advanced: two tokens outside the cache
+    with pytest.raises(AssertionError, match="one uncomputed token"):
+        check_invariants(a, 4)
+    b = running(allocator, [5, 6, 7], [8], 3)
+    b.num_draft_computed = 1  # two positions the draft never saw, and nothing kept for them
+    with pytest.raises(AssertionError, match="pending"):
+        check_invariants(b, 4)
+    c = running(allocator, [5, 6, 7], [8], 3, drafts=[9, 10, 11, 12, 13])
+    c.block_table.pop()
+    with pytest.raises(AssertionError, match="blocks"):
+        check_invariants(c, 4)
