@@ -1,13 +1,19 @@
 """Data stage for training a tiny DeepSeek-V3 language model on Python source.
 
-Builds, from the running Python's standard library:
+Builds, from the running Python's standard library and the Python sources of the packages eyas installs (its
+requirements, followed transitively through the installed distributions' metadata):
 
   * a byte-level BPE tokenizer with DeepSeek-V3 special tokens and chat template
     (``tokenizer.json`` + ``tokenizer_config.json`` in the model dir),
   * function-completion conversations (``conversations_{train,heldout}.jsonl``),
   * flat uint16 token arrays for pretraining (``train.bin``, ``val.bin``) and for
     chat fine-tuning with a loss mask (``chat_{train,val}.bin`` + ``*_mask.bin``),
-  * ``meta.json`` with counts and the held-out file list.
+  * flat token arrays of the package sources (``packages_train.bin``, ``packages_val.bin``),
+  * ``meta.json`` with counts, the package versions and the held-out file lists.
+
+Files are held out by name (a hash of the path), so a rebuild on another machine holds out the same ones. Package
+files that repeat a held-out standard-library file (setuptools' copy of distutils, for example) are dropped, so
+the standard-library held-out loss stays a held-out loss.
 
 Every stage is skipped when its outputs already exist (use ``--force`` to rebuild);
 a rebuilt stage forces the stages that depend on it.
@@ -19,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -60,6 +68,10 @@ CHAT_TEMPLATE = (
 # lib2to3's test data lives under lib2to3/tests/, so "tests" covers it.
 EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 HELDOUT_MODULUS = 20
+# Per distribution, so torch and transformers (50 MB each) do not drown the rest; files are taken in hash order.
+PACKAGE_BYTES_CAP = 4_000_000
+# A package file sharing this share of its 8-line windows with a held-out standard-library file counts as a copy.
+COPY_SHARE = 0.2
 
 INSTRUCTIONS = [
     "Complete this Python function:\n\n",
@@ -71,6 +83,7 @@ MIN_BODY_LINES = 2
 MAX_BODY_LINES = 60
 
 PRETRAIN_BINS = {"train": "train.bin", "heldout": "val.bin"}
+PACKAGE_BINS = {"train": "packages_train.bin", "heldout": "packages_val.bin"}
 CHAT_BINS = {"train": ("chat_train.bin", "chat_train_mask.bin"), "heldout": ("chat_val.bin", "chat_val_mask.bin")}
 SPLITS = ("train", "heldout")
 
@@ -109,6 +122,68 @@ def collect_corpus(stdlib: Path) -> tuple[dict[str, dict[str, str]], int]:
             continue
         corpus["heldout" if is_heldout(rel) else "train"][rel] = text
     return corpus, undecodable
+
+
+def requirement_closure(root: str = "eyas") -> list[importlib.metadata.Distribution]:
+    """The installed distributions `root` needs without extras, followed through their own requirements."""
+    from packaging.requirements import Requirement
+
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [root]
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in found:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional platform requirement that is not installed here
+        found[name] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return [found[name] for name in sorted(found) if name != root]
+
+
+def windows(text: str, size: int = 8) -> set[int]:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return {zlib.crc32("\n".join(lines[i:i + size]).encode()) for i in range(max(0, len(lines) - size + 1))}
+
+
+def collect_packages(heldout_stdlib: dict[str, str]) -> tuple[dict[str, dict[str, str]], dict[str, str], int]:
+    """{split: {"dist/relative_path": text}}, {dist: version}, and the number of files dropped as copies."""
+    corpus: dict[str, dict[str, str]] = {split: {} for split in SPLITS}
+    protected = set().union(*(windows(t) for t in heldout_stdlib.values()))
+    seen: set[int] = set()
+    versions: dict[str, str] = {}
+    copies = 0
+    for dist in requirement_closure():
+        name = dist.metadata["Name"]
+        versions[name] = dist.version
+        files = sorted((f for f in dist.files or [] if f.suffix == ".py"
+                        and not EXCLUDED_DIRS.intersection(f.parts[:-1])),
+                       key=lambda f: zlib.crc32(f"{name}/{f.as_posix()}".encode()))
+        taken = 0
+        for f in files:
+            try:
+                text = Path(dist.locate_file(f)).read_bytes().decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            digest = zlib.crc32(text.encode())
+            if not text.strip() or digest in seen:
+                continue  # empty __init__.py files and exact duplicates (vendored copies)
+            own = windows(text)
+            if own and len(own & protected) >= COPY_SHARE * len(own):
+                copies += 1
+                continue
+            seen.add(digest)
+            rel = f"{name}/{f.as_posix()}"
+            corpus["heldout" if is_heldout(rel) else "train"][rel] = text
+            taken += len(text.encode())
+            if taken >= PACKAGE_BYTES_CAP:
+                break
+    return corpus, versions, copies
 
 
 def n_bytes(texts: dict[str, str]) -> int:
@@ -353,6 +428,10 @@ def main(argv: list[str] | None = None) -> None:
     for split in SPLITS:
         log(f"[corpus] {split:8s} {len(corpus[split]):5d} files {n_bytes(corpus[split]):>11,d} bytes")
     log(f"[corpus] skipped {undecodable} files that are not valid UTF-8")
+    packages, versions, copies = collect_packages(corpus["heldout"])
+    log(f"[corpus] packages: {len(versions)} distributions; dropped {copies} files that copy held-out stdlib files")
+    for split in SPLITS:
+        log(f"[corpus] {split:8s} {len(packages[split]):5d} files {n_bytes(packages[split]):>11,d} bytes (packages)")
     with_specials = [rel for s in SPLITS for rel, t in corpus[s].items() if any(sp in t for sp in SPECIAL_TOKENS)]
     if with_specials:
         log(f"[corpus] warning: special-token strings appear in {with_specials}; they will encode as special tokens")
@@ -373,22 +452,25 @@ def main(argv: list[str] | None = None) -> None:
     log(f"[tokenizer] AutoTokenizer ok (bos prepended, chat template); round-trip mismatches on held-out: {mismatches}")
 
     # 3. Conversations.
-    conv_paths = {s: work_dir / f"conversations_{s}.jsonl" for s in SPLITS}
+    # conversations_{split}.jsonl stay standard-library only: the draft scripts select from them by position
+    conv_paths = {(source, s): work_dir / f"conversations_{prefix}{s}.jsonl"
+                  for source, prefix in (("stdlib", ""), ("packages", "packages_")) for s in SPLITS}
     rebuilt_convs = args.force or not all(p.exists() for p in conv_paths.values())
-    conversations: dict[str, list[dict]] = {}
-    if rebuilt_convs:
-        for split in SPLITS:
-            conversations[split], unparsable = build_conversations(corpus[split])
-            write_jsonl(conv_paths[split], conversations[split])
-            log(f"[conversations] {split:8s} {len(conversations[split]):6d} ({unparsable} files failed to parse)")
-    else:
-        for split in SPLITS:
-            conversations[split] = read_jsonl(conv_paths[split])
-            log(f"[conversations] {split:8s} {len(conversations[split]):6d} (exists, loaded)")
+    conversations: dict[tuple[str, str], list[dict]] = {}
+    for (source, split), path in conv_paths.items():
+        if rebuilt_convs:
+            conversations[source, split], unparsable = build_conversations(
+                (corpus if source == "stdlib" else packages)[split])
+            write_jsonl(path, conversations[source, split])
+            note = f"{unparsable} files failed to parse"
+        else:
+            conversations[source, split], note = read_jsonl(path), "exists, loaded"
+        log(f"[conversations] {source:8s} {split:8s} {len(conversations[source, split]):6d} ({note})")
 
     # 4. Token arrays; meta.json is written last, so its presence marks the stage complete.
     meta_path = work_dir / "meta.json"
-    array_paths = [work_dir / n for n in PRETRAIN_BINS.values()] + [work_dir / n for p in CHAT_BINS.values() for n in p]
+    array_paths = [work_dir / n for bins in (PRETRAIN_BINS, PACKAGE_BINS) for n in bins.values()] \
+        + [work_dir / n for p in CHAT_BINS.values() for n in p]
     if rebuilt_tokenizer or rebuilt_convs or not all(p.exists() for p in [meta_path, *array_paths]):
         from transformers import AutoTokenizer
 
@@ -401,34 +483,41 @@ def main(argv: list[str] | None = None) -> None:
             "dtype": "uint16",
             "undecodable_files": undecodable,
             "roundtrip_mismatches_heldout": mismatches,
+            "packages": versions,
+            "package_copies_dropped": copies,
             "splits": {},
+            "package_splits": {},
             "chat": {},
         }
         for split in SPLITS:
-            texts = list(corpus[split].values())
-            ids = pretrain_tokens(raw, texts)
-            write_atomic(work_dir / PRETRAIN_BINS[split], ids.tobytes())
-            nb = n_bytes(corpus[split])
-            text_tokens = len(ids) - 2 * len(texts)  # without the bos/eos added per file
-            meta["splits"][split] = {
-                "file": PRETRAIN_BINS[split],
-                "files": len(texts),
-                "bytes": nb,
-                "tokens": len(ids),
-                "text_tokens": int(text_tokens),
-                "bytes_per_token": round(nb / max(text_tokens, 1), 4),
-            }
-            chat_ids, chat_mask = chat_tokens(tok, raw, conversations[split])
+            sources = ((corpus, PRETRAIN_BINS, "splits"), (packages, PACKAGE_BINS, "package_splits"))
+            for texts_by_path, bins, key in sources:
+                texts = list(texts_by_path[split].values())
+                ids = pretrain_tokens(raw, texts)
+                write_atomic(work_dir / bins[split], ids.tobytes())
+                nb = n_bytes(texts_by_path[split])
+                text_tokens = len(ids) - 2 * len(texts)  # without the bos/eos added per file
+                meta[key][split] = {
+                    "file": bins[split],
+                    "files": len(texts),
+                    "bytes": nb,
+                    "tokens": len(ids),
+                    "text_tokens": int(text_tokens),
+                    "bytes_per_token": round(nb / max(text_tokens, 1), 4),
+                }
+            chat_ids, chat_mask = chat_tokens(
+                tok, raw, conversations["stdlib", split] + conversations["packages", split])
             ids_name, mask_name = CHAT_BINS[split]
             write_atomic(work_dir / ids_name, chat_ids.tobytes())
             write_atomic(work_dir / mask_name, chat_mask.tobytes())
             meta["chat"][split] = {
                 "files": [ids_name, mask_name],
-                "conversations": len(conversations[split]),
+                "conversations": len(conversations["stdlib", split]) + len(conversations["packages", split]),
                 "tokens": len(chat_ids),
                 "masked_tokens": int(chat_mask.sum()),
             }
         meta["heldout_files"] = list(corpus["heldout"])
+        meta["package_heldout_files"] = list(packages["heldout"])
         write_atomic(meta_path, (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
         log(f"[arrays] written to {work_dir}")
     else:
@@ -439,11 +528,12 @@ def main(argv: list[str] | None = None) -> None:
     log("")
     log("split      files        bytes      tokens  bytes/tok  convs  chat_tokens  masked")
     for split in SPLITS:
-        s, c = meta["splits"][split], meta["chat"][split]
+        s, p, c = meta["splits"][split], meta["package_splits"][split], meta["chat"][split]
         log(
             f"{split:8s} {s['files']:7d} {s['bytes']:12,d} {s['tokens']:11,d} {s['bytes_per_token']:10.3f}"
             f" {c['conversations']:6d} {c['tokens']:12,d} {c['masked_tokens']:7,d}"
         )
+        log(f"{'+ pkgs':8s} {p['files']:7d} {p['bytes']:12,d} {p['tokens']:11,d} {p['bytes_per_token']:10.3f}")
     log(f"done in {time.perf_counter() - t_start:.1f}s")
 
 

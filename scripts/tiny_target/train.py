@@ -3,9 +3,12 @@
 Resumable: every --ckpt-every steps the full state (weights, optimizer, step, router biases) is written atomically
 to WORK/ckpt.pt, and the shippable bf16 checkpoint is exported to OUT. Rerunning the same command continues.
 Batches are a pure function of (seed, step), so a resumed run sees exactly the batches it would have seen.
+--init-from starts a new run (its own schedule, fresh optimizer) from a shipped checkpoint, which is how training
+continues on a machine that has only the committed model: the bundled target is its own resume point.
 
-    python scripts/tiny_target/build_data.py      # corpus, tokenizer, token arrays (seconds)
+    python scripts/tiny_target/build_data.py      # corpus, tokenizer, token arrays (a minute)
     python scripts/tiny_target/train.py --max-steps 3000
+    python scripts/tiny_target/train.py --init-from examples/tiny-deepseek-v3 --lr 1e-3 --max-steps 1600
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eyas.checkpoint import save_model
+from eyas.checkpoint import load_model, save_model
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
 
@@ -53,8 +56,10 @@ def init_weights(model: DeepseekV3ForCausalLM, std: float = 0.02) -> None:
     mtp.shared_head.head.weight = model.lm_head.weight
 
 
-def batch(arrays: dict, step: int, seed: int, batch_size: int, seq_len: int, chat_fraction: float):
-    """(tokens [B, T+1], loss mask [B, T+1]) drawn from the source files and the chat conversations."""
+def batch(arrays: dict, step: int, seed: int, batch_size: int, seq_len: int, chat_fraction: float,
+          package_fraction: float = 0.0):
+    """(tokens [B, T+1], loss mask [B, T+1]) drawn from the source files (the standard library's, then with
+    `package_fraction` of the text rows the installed packages') and the chat conversations."""
     rng = np.random.default_rng([seed, step])
     tokens = np.empty((batch_size, seq_len + 1), dtype=np.int64)
     mask = np.ones((batch_size, seq_len + 1), dtype=np.float32)
@@ -66,7 +71,7 @@ def batch(arrays: dict, step: int, seed: int, batch_size: int, seq_len: int, cha
             # full loss on chat text too, with assistant turns weighted up: they are what chat users see
             mask[b] = 1.0 + chat_mask[start:start + seq_len + 1]
         else:
-            data = arrays["train"]
+            data = arrays["packages_train" if rng.random() < package_fraction else "train"]
             start = int(rng.integers(0, len(data) - seq_len - 1))
             tokens[b] = data[start:start + seq_len + 1]
     return torch.from_numpy(tokens), torch.from_numpy(mask)
@@ -126,6 +131,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--mtp-weight", type=float, default=0.3, help="DeepSeek-V3 uses 0.3, then 0.1")
     ap.add_argument("--chat-fraction", type=float, default=0.2)
+    ap.add_argument("--package-fraction", type=float, default=0.0,
+                    help="share of the text rows drawn from the packages' sources instead of the standard library")
+    ap.add_argument("--init-from", type=Path, help="a shipped checkpoint to start this run from (ignored on resume)")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="router bias update speed (gamma)")
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -136,15 +144,20 @@ def main() -> None:
 
     meta = json.loads((args.work / "meta.json").read_text())
     arrays = {name: np.memmap(args.work / f"{name}.bin", dtype=np.uint16, mode="r")
-              for name in ("train", "val")}
+              for name in ("train", "val", "packages_train", "packages_val")}
     arrays["chat"] = np.memmap(args.work / "chat_train.bin", dtype=np.uint16, mode="r")
     arrays["chat_mask"] = np.memmap(args.work / "chat_train_mask.bin", dtype=np.uint8, mode="r")
     val_bytes = meta["splits"]["heldout"]["bytes"]
+    package_val_bytes = meta["package_splits"]["heldout"]["bytes"]
 
     torch.manual_seed(args.seed)
     config = tiny_config(meta["vocab_size"], bos=0, eos=1)
     model = DeepseekV3ForCausalLM(config)
     init_weights(model)
+    if args.init_from is not None:
+        # strict: every weight comes from the file; the tied MTP embedding and head stay tied (init_weights tied
+        # them, and the file stores them as equal copies)
+        model.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     ckpt_path, log_path = args.work / "ckpt.pt", args.work / "train_log.jsonl"
     step = 0
@@ -185,7 +198,8 @@ def main() -> None:
     while step < args.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        tokens, mask = batch(arrays, step, args.seed, args.batch_size, args.seq_len, args.chat_fraction)
+        tokens, mask = batch(arrays, step, args.seed, args.batch_size, args.seq_len, args.chat_fraction,
+                             args.package_fraction)
         main_loss, mtp_loss = losses(model, tokens, mask)
         loss = main_loss + args.mtp_weight * mtp_loss
         optimizer.zero_grad(set_to_none=True)
@@ -201,6 +215,8 @@ def main() -> None:
                   "tokens_per_s": round(tokens_seen / (time.time() - t0), 1)}
         if step % args.eval_every == 0 or step == args.max_steps:
             record["val_bpb_32k"] = round(evaluate_bpb(model, arrays["val"], val_bytes, args.seq_len, 32768), 4)
+            record["packages_val_bpb_32k"] = round(evaluate_bpb(
+                model, arrays["packages_val"], package_val_bytes, args.seq_len, 32768), 4)
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if step % 10 == 0 or "val_bpb_32k" in record:
