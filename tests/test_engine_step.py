@@ -105,8 +105,12 @@ def test_invariants_catch_a_half_updated_sequence():
     allocator = BlockAllocator(64, 4)
     a = running(allocator, [5, 6, 7], [8], 3, drafts=[10])
     check_invariants(a, 4)
-    a.token_ids.append(11)  # committed but num_computed not advanced: two tokens outside the cache
-    with pytest.raises(AssertionError, match="one uncomputed token"):
+    a.token_ids.append(11)  # committed but num_computed not advanced: drafts after two uncached tokens
+    with pytest.raises(AssertionError, match="drafts follow the one uncomputed token"):
+        check_invariants(a, 4)
+    a.token_ids.pop()
+    a.num_computed += 1  # the last committed token counted as cached
+    with pytest.raises(AssertionError, match="never cached"):
         check_invariants(a, 4)
     b = running(allocator, [5, 6, 7], [8], 3)
     b.num_draft_computed = 1  # two positions the draft never saw, and nothing kept for them
@@ -116,3 +120,33 @@ def test_invariants_catch_a_half_updated_sequence():
     c.block_table.pop()
     with pytest.raises(AssertionError, match="blocks"):
         check_invariants(c, 4)
+
+
+def test_invariants_hold_through_preemption_pauses_and_drafting(tmp_path):
+    """A real engine, speculative (MTP, K = 3, drafting off at 3 running), with a cache too small for its requests:
+    sequences are preempted and recomputed, drafting pauses and resumes; the invariants hold after every step and
+    the output is plain greedy's."""
+    from test_checkpoint import add_mtp_weights
+    from tiny import YARN, make_hf_checkpoint
+
+    from eyas import LLM
+    from eyas.config import SpeculativeConfig
+
+    make_hf_checkpoint(tmp_path, rope_parameters=YARN)
+    add_mtp_weights(tmp_path)
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, disable_batch_size=3)
+    llm = LLM(tmp_path, max_num_seqs=3, block_size=4, num_blocks=16, max_num_batched_tokens=16,
+              speculative_config=config)
+    prompts = [[3 + i] * (6 + 3 * i) for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(5)]
+    seqs = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while llm.scheduler.has_work():
+        llm.step()
+        steps += 1
+        for seq in seqs:
+            check_invariants(seq, 4)
+    assert llm.scheduler.num_preemptions > 0 and sum(s.num_drafted for s in seqs) > 0
+    plain = LLM(tmp_path).generate(prompts, params)
+    assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]
+    assert llm.allocator.num_used == 0

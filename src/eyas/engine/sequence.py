@@ -4,10 +4,13 @@ Only `Scheduler` writes it (`schedule` admits, grows and preempts; `commit` appl
 steps every sequence satisfies these invariants (`check_invariants` asserts them):
 
   waiting      nothing cached: num_computed == num_draft_computed == 0, no blocks, no drafts, no pending inputs
-  prefilling   num_computed < num_prompt_tokens == len(token_ids), no drafts
+  catching up  num_computed < len(token_ids) - 1 (a prompt being prefilled, or a preempted sequence's tokens being
+               recomputed), no drafts
   decoding     num_computed == len(token_ids) - 1: exactly one committed token is not in the target's KV cache yet,
-               and draft_tokens (0..K) follow it; they are computed and verified together next step
-  running      the blocks hold every position the next step writes: len(token_ids) + len(draft_tokens) tokens
+               and draft_tokens (0..K) follow it; they are computed and verified together next step (the last
+               committed token is never cached: a step that computes it also samples after it)
+  running      the blocks hold the cached positions (num_computed) and, with drafts, every position the next step
+               writes (len(token_ids) + len(draft_tokens): the draft's cache already holds entries of its drafts)
   draft        num_draft_computed <= num_computed: the draft's cache holds positions below num_draft_computed, and
                pending_draft_inputs holds the draft's step-0 inputs of the positions in between (one row each), so
                drafting that was paused resumes by running them first
@@ -93,11 +96,11 @@ def check_invariants(seq: Sequence, block_size: int) -> None:
     if seq.status is Status.FINISHED:
         assert not seq.block_table, "a finished sequence holds no blocks"
         return
-    if seq.num_computed < seq.num_prompt_tokens:
-        assert len(seq) == seq.num_prompt_tokens and not seq.draft_tokens, "a prefilling sequence has no drafts"
-    else:
-        assert seq.num_computed == len(seq) - 1, \
-            f"a decoding sequence has one uncomputed token: num_computed {seq.num_computed}, {len(seq)} tokens"
-    assert len(seq.block_table) * block_size >= len(seq) + len(seq.draft_tokens), "blocks for the next step"
+    assert seq.num_computed <= len(seq) - 1, \
+        f"the last committed token is never cached: num_computed {seq.num_computed}, {len(seq)} tokens"
+    assert seq.num_computed == len(seq) - 1 or not seq.draft_tokens, \
+        f"drafts follow the one uncomputed token: num_computed {seq.num_computed}, {len(seq)} tokens"
+    needed = len(seq) + len(seq.draft_tokens) if seq.draft_tokens else seq.num_computed
+    assert len(seq.block_table) * block_size >= needed, f"blocks for {needed} positions"
     assert seq.num_draft_computed + pending == seq.num_computed, \
         f"draft cache {seq.num_draft_computed} + pending {pending} != num_computed {seq.num_computed}"
