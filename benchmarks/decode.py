@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eyas import LLM, SamplingParams
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 
 
 def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ import torch
 from decode import prompts_for
 
 from eyas import LLM, SamplingParams
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 
 
 def start(llm: LLM, batch: int, prompt_len: int) -> list:

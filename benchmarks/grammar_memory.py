@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from eyas.engine.grammar import GrammarCache
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 from eyas.sampling_params import StructuredOutputParams
 
 

@@ -21,7 +21,7 @@ import torch
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 
 
 def timed(llm: LLM, prompts: list, params: SamplingParams):
@@ -56,7 +56,7 @@ def main() -> None:
                "def main():\n    ", "# utility functions\n", "class Error(Exception):\n", "    if not path:\n",
                "import sys\n"]
     if args.prompts:
-        from eyas.prompts import read_prompt_file
+        from eyas.records import read_prompt_file
 
         prompts = read_prompt_file(args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)

@@ -92,10 +92,11 @@ def prompt_ids(num: int) -> list[list[int]]:
     """The first `num` held-out prompts, spread over the file's categories, as token ids (chat rendered by the
     target's template), so both engines see exactly the same input."""
     from eyas.engine.llm import load_tokenizer
-    from eyas.eval.acceptance import read_prompts, spread
+    from eyas.eval.acceptance import spread
+    from eyas.records import read_eval_prompts
 
     tokenizer = load_tokenizer(TARGET)
-    records = spread(read_prompts(PROMPTS), num)
+    records = spread(read_eval_prompts(PROMPTS), num)
     out = []
     for r in records:
         if r["prompt"] is not None:

@@ -61,7 +61,7 @@ def test_the_engine_with_an_adaptive_width_is_lossless_and_learns():
     policy times every width of the batch sizes it ran."""
     from eyas import LLM, SamplingParams
     from eyas.config import SpeculativeConfig
-    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.paths import DEFAULT_MODEL
 
     prompts = ["def add(a, b):\n", "import os\n\nclass Cache:\n", "for i in range(", "# Sort the list\n",
                "with open(name) as f:\n", "x = ["]

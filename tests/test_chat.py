@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eyas.engine.chat import encode_chat
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 
 EOS, USER, ASSISTANT = "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 

@@ -7,7 +7,8 @@ import torch
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
-from eyas.eval.acceptance import evaluate, read_prompts
+from eyas.eval.acceptance import evaluate
+from eyas.records import read_eval_prompts
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_report_adds_up_the_requests(copying):
 
 
 def test_cli_writes_json_and_plot(tmp_path, capsys):
-    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.paths import DEFAULT_MODEL
 
     if not (DEFAULT_MODEL / "model.safetensors").is_file():
         pytest.skip("no shipped model")
@@ -60,16 +61,16 @@ def test_bad_prompts_file(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"category": "x"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
-        read_prompts(bad)
+        read_eval_prompts(bad)
 
 
 def test_a_random_draft_is_reported_slower_than_plain(tmp_path, capsys):
     """A draft that accepts nothing costs K draft steps and K extra verify rows for no gain: eval measures the
     speed against plain decoding on the same engine, and both eval and generate say it does not pay."""
     from eyas.checkpoint import load_model
-    from eyas.engine.llm import DEFAULT_MODEL
     from eyas.eval.acceptance import slower_than_plain_warning
     from eyas.export import save_draft
+    from eyas.paths import DEFAULT_MODEL
     from eyas.train.trainer import init_draft, new_draft_config
 
     assert slower_than_plain_warning(0.96, 96, 100, 1.2) is None  # within timing noise: no warning

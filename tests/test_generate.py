@@ -9,7 +9,8 @@ from tiny import YARN, copy_tokenizer, make_hf_checkpoint
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
-from eyas.engine.llm import DEFAULT_MODEL, PromptTooLong
+from eyas.engine.llm import PromptTooLong
+from eyas.paths import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")

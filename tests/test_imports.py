@@ -3,7 +3,7 @@
 Two graphs, read from the source with `ast` (nothing is imported but the packages): the module-level imports (what
 runs when a module is first imported, `if TYPE_CHECKING:` blocks included: a reader and a type checker follow them
 too), which must have no cycle at all; and every import, those deferred into functions too, where a cycle is a
-layering problem even when Python never trips on it: only the known ones below are allowed.
+layering problem even when Python never trips on it: none is allowed either.
 """
 
 from __future__ import annotations
@@ -13,16 +13,6 @@ import pkgutil
 from pathlib import Path
 
 import eyas
-
-# deferred-import cycles left as they are, each with why
-KNOWN_DEFERRED_CYCLES = {
-    frozenset({"eyas.cli", "eyas.pipeline"}):
-        "`eyas pipeline` runs the other commands through the command line (cli.main) that registers it",
-    frozenset({"eyas.train.hidden_states", "eyas.train.hidden_states_server", "eyas.train.import_dumps"}):
-        "the dump-hidden-states command in hidden_states.py calls hidden_states_server, which (with import_dumps) "
-        "builds on hidden_states' shard writing: the command wants a module of its own",
-}
-
 
 def eyas_modules() -> dict[str, Path]:
     """{module name: source file} for eyas and everything under it."""
@@ -151,7 +141,4 @@ def test_no_module_level_import_cycle():
 
 def test_no_import_cycle_counting_deferred_imports():
     found = cycles(import_graph(deferred=True))
-    new = [describe(c) for members, c in found.items() if members not in KNOWN_DEFERRED_CYCLES]
-    assert not new, "import cycles (deferred imports included): " + "; ".join(new)
-    gone = set(KNOWN_DEFERRED_CYCLES) - set(found)
-    assert not gone, f"no longer cycles, remove them from KNOWN_DEFERRED_CYCLES: {[sorted(c) for c in gone]}"
+    assert not found, "import cycles (deferred imports included): " + "; ".join(describe(c) for c in found.values())

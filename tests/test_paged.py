@@ -138,8 +138,8 @@ def test_packed_projections_compute_the_same(tmp_path, q_lora_rank):
 def test_packing_keeps_shared_weights_shared():
     """The shipped target's MTP layer shares the lm_head and the embedding: after pack_for_inference (which re-lays
     linear weights out) they are still one tensor each, with the same values."""
-    from eyas.engine.llm import DEFAULT_MODEL
     from eyas.models.layers import pack_for_inference
+    from eyas.paths import DEFAULT_MODEL
 
     model = load_model(DEFAULT_MODEL, dtype="float32")
     mtp = model.model.mtp_layer(0)

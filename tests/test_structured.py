@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from eyas import LLM, SamplingParams
 from eyas.engine.grammar import GrammarCache
-from eyas.engine.llm import DEFAULT_MODEL
+from eyas.paths import DEFAULT_MODEL
 from eyas.sampling_params import StructuredOutputParams
 
 shipped = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").is_file(), reason="no shipped model")

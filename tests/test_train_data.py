@@ -10,9 +10,11 @@ import torch
 from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas import load_model
-from eyas.engine.llm import DEFAULT_MODEL, load_tokenizer
-from eyas.train import hidden_states, vocab
-from eyas.train.data import DataError, Example, load_dataset, read_records, tokenize_conversation, tokenize_text
+from eyas.engine.llm import load_tokenizer
+from eyas.paths import DEFAULT_MODEL
+from eyas.records import read_records
+from eyas.train import dump, vocab
+from eyas.train.data import DataError, Example, load_dataset, tokenize_conversation, tokenize_text
 from eyas.train.hidden_states import HiddenStateError, HiddenStateShards, capture_hidden_states, dump_hidden_states
 from eyas.train.vocab import calibrate_vocab, count_loss_tokens, coverage_stats, load_vocab, save_vocab
 
@@ -295,7 +297,7 @@ def test_dump_cli_converts_layer_output_ids(target_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}, sharegpt(CONVERSATION[1:3]),
                                               {"text": "hello"}])
     parser = argparse.ArgumentParser()
-    hidden_states.add_cli(parser.add_subparsers())
+    dump.add_cli(parser.add_subparsers())
     out = tmp_path / "dump"
     args = parser.parse_args(["dump-hidden-states", str(data), str(out), "--model", str(target_dir[0]),
                               "--aux-layer-ids", "1", "3", "4", "--aux-layer-convention", "layer_output",

@@ -52,7 +52,7 @@ def copy_tokenizer(path: Path) -> None:
     """The shipped tokenizer (and its chat template) into checkpoint directory `path`."""
     import shutil
 
-    from eyas.engine.llm import DEFAULT_MODEL
+    from eyas.paths import DEFAULT_MODEL
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL / name, path / name)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.engine_args import EngineArgs
-from eyas.prompts import read_prompt_file
+from eyas.records import read_prompt_file
 
 if TYPE_CHECKING:
     import httpx

@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from eyas.config import REJECTION_STRATEGIES, SpeculativeConfig
-from eyas.engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL, LLM
+from eyas.engine.llm import LLM
+from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 
 # measured with `eyas bench serve` on the bundled target against plain: drafting always on, c=8 1.15x, c=12 1.10x,

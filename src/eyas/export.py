@@ -49,6 +49,7 @@ from eyas.models.eagle3 import (
     Eagle3Draft,
     load_draft,
 )
+from eyas.paths import DEFAULT_MODEL
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -462,8 +463,6 @@ def cmd_quantize_draft(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Register `eyas export` and `eyas quantize-draft`."""
-    from eyas.engine.llm import DEFAULT_MODEL
-
     conventions = [c.value for c in AuxConvention]
     e = subparsers.add_parser(
         "export", help="write an EAGLE-3 draft in the layout vLLM, SGLang, Model Optimizer or MAX loads",

@@ -32,6 +32,7 @@ from eyas.models.eagle3 import (
     is_speculators_config,
     load_draft,
 )
+from eyas.paths import DEFAULT_MODEL
 
 METHODS = ("eagle", "mtp")
 
@@ -309,8 +310,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Register `eyas inspect`."""
-    from eyas.engine.llm import DEFAULT_MODEL
-
     p = subparsers.add_parser(
         "inspect", help="say whether a target and a draft fit (aux ids, fusion width, vocab, rope, keys)",
         description="Read a target checkpoint (config, headers, embedding and lm_head only) and an EAGLE-3 draft, "

@@ -42,6 +42,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from eyas.commands import build_parser, read_recipe_file, run, settings_from_mapping
+from eyas.paths import DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
+
 STAGES = ("regenerate", "calibrate_vocab", "dump_hidden_states", "train", "eval", "export")
 TOP_LEVEL = ("target", "work_dir", "name", "data", "extra_data", *STAGES)
 DRAFT_STAGES = ("train", "eval", "export")  # the ones writing under WORK/NAME, recorded under "NAME: stage"
@@ -62,8 +65,6 @@ class PipelineError(ValueError):
 
 def read_recipe(path: Path) -> dict:
     """The recipe as a mapping, its top-level keys and section kinds checked."""
-    from eyas.cli import read_recipe_file
-
     recipe = read_recipe_file(path, "target, work_dir, data and stage sections")
     unknown = sorted(set(recipe) - set(TOP_LEVEL))
     if unknown:
@@ -83,9 +84,6 @@ def read_recipe(path: Path) -> dict:
 
 def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]]]:
     """(stage, eyas argv) for every stage the recipe runs, in order; the training-data stage is ("data", [])."""
-    from eyas.cli import build_parser, settings_from_mapping
-    from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
-
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     target = str(recipe.get("target") or DEFAULT_MODEL)
@@ -173,8 +171,6 @@ def write_training_data(recipe: dict, work: Path) -> Path:
 
 
 def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
-    from eyas.cli import main
-
     recipe = read_recipe(recipe_path)
     work = Path(recipe["work_dir"])
     stages = stage_commands(recipe, recipe_path)
@@ -205,7 +201,7 @@ def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
         if stage.startswith("export"):  # an export writes a fresh directory
             shutil.rmtree(argv[2], ignore_errors=True)
         try:
-            code = main(argv)
+            code = run(build_parser(), argv)  # every command but this one: a stage never runs a pipeline
         except SystemExit as e:  # argparse refusing an option
             code = e.code if isinstance(e.code, int) else 2
         if code != 0:

@@ -25,28 +25,13 @@ from pathlib import Path
 
 from eyas.client import add_server_args
 from eyas.engine_args import EngineArgs
+from eyas.records import read_eval_prompts
 from eyas.sampling_params import SamplingParams
 
 
 def spread(records: list[dict], n: int) -> list[dict]:
     """`n` records taken at even strides over the file (its categories come in blocks)."""
     return records[::max(1, len(records) // n)][:n]
-
-
-def read_prompts(path: Path) -> list[dict]:
-    from eyas.train.data import iter_records
-
-    records = []
-    for lineno, record in iter_records(path):
-        turns = record.get("turns")
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)) and not (
-                isinstance(record.get("prompt"), str)):
-            raise ValueError(f"{path}:{lineno}: expected {{\"category\": ..., \"turns\": [strings]}} or "
-                             "{\"category\": ..., \"prompt\": string}")
-        records.append({"category": str(record.get("category", "all")), "turns": turns, "prompt": record.get("prompt")})
-    if not records:
-        raise ValueError(f"{path}: no prompts")
-    return records
 
 
 REPEAT_NGRAM = 4
@@ -344,7 +329,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     spec = engine.speculative_config()
     if spec is None:
         raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
-    records = read_prompts(args.prompts)
+    records = read_eval_prompts(args.prompts)
     llm = engine.build_llm()
     params = _params(args)
     report = evaluate(llm, records, params)
@@ -377,7 +362,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _eval_by_server(args: argparse.Namespace) -> int:
     from eyas.client import client_from_args
 
-    records = read_prompts(args.prompts)
+    records = read_eval_prompts(args.prompts)
     client = client_from_args(args)
     try:
         report = evaluate_by_server(client, records, _params(args), args.concurrency)

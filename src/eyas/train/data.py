@@ -5,34 +5,25 @@ Convention: ``loss_mask[t] = 1`` means token t is one the draft is trained to pr
 content and the end-of-turn tokens the template writes after it (the eos). Role headers, system and user text are
 context only. The training loop shifts this mask to the positions that predict each token.
 
-Record kinds, detected per line:
-    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}      OpenAI
-    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}            ShareGPT
-    {"text": "..."}                                                                                   plain text
+The record kinds (OpenAI messages, ShareGPT conversations, plain text) are read by eyas.records, kind detected
+per line.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from eyas.records import DataError, iter_records, normalize_record
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("eyas")
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-
-
-class DataError(ValueError):
-    """Training data eyas cannot use, with the file, line and field at fault."""
 
 
 @dataclass(slots=True)
@@ -43,89 +34,6 @@ class Example:
     @property
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
-
-
-# -- reading records ---------------------------------------------------------------------------------------------
-
-def iter_records(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of a JSONL file."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 ({e})") from e
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """Every object of a JSONL file; errors name the file and line."""
-    return [record for _, record in iter_records(path)]
-
-
-def normalize_record(record: dict, where: str = "record") -> list[dict[str, str]] | str:
-    """A record's conversation as OpenAI-style messages [{"role", "content"}], or its plain text."""
-    if "messages" in record:
-        return _openai_messages(record["messages"], where)
-    if "conversations" in record:
-        return _sharegpt_messages(record["conversations"], where)
-    if "text" in record:
-        if not isinstance(record["text"], str):
-            raise DataError(f"{where}: field 'text' must be a string, got {type(record['text']).__name__}")
-        return record["text"]
-    raise DataError(f"{where}: expected a 'messages' (OpenAI), 'conversations' (ShareGPT) or 'text' field; "
-                    f"found fields {sorted(record)}")
-
-
-def _openai_messages(messages, where: str) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        field = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: {field} must be an object with 'role' and 'content'")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise DataError(f"{where}: {field}.role must be a string, got {role!r}")
-        if isinstance(content, list):  # OpenAI content parts: only text parts carry training text
-            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-            if any(not isinstance(p, str) for p in parts):
-                raise DataError(f"{where}: {field}.content is a list with non-text parts; only "
-                                "{\"type\": \"text\", \"text\": ...} parts are supported")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise DataError(f"{where}: {field}.content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _sharegpt_messages(turns, where: str) -> list[dict[str, str]]:
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: field 'conversations' must be a non-empty list")
-    out = []
-    for i, turn in enumerate(turns):
-        field = f"conversations[{i}]"
-        if not isinstance(turn, dict):
-            raise DataError(f"{where}: {field} must be an object with 'from' and 'value'")
-        speaker, value = turn.get("from"), turn.get("value")
-        if speaker not in SHAREGPT_ROLES:
-            raise DataError(f"{where}: {field}.from is {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}")
-        if not isinstance(value, str):
-            raise DataError(f"{where}: {field}.value must be a string, got {type(value).__name__}")
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": value})
-    return out
 
 
 # -- tokenizing --------------------------------------------------------------------------------------------------

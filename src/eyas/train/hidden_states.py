@@ -18,7 +18,6 @@ past the final norm says so in its manifest (``last_hidden_post_norm``), and the
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import hashlib
 import json
@@ -35,7 +34,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.data import Example
 
 if TYPE_CHECKING:
@@ -268,55 +266,60 @@ def write_shards(out_dir: str | Path, manifest: dict,
     out_dir = Path(out_dir)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
-    num_shards, examples_per_shard = manifest["num_shards"], manifest["examples_per_shard"]
-    num_examples = manifest["num_examples"]
-    name = MANIFEST if world_size == 1 else rank_manifest_name(rank, world_size)
+    num_shards, per_shard, num_examples = (manifest["num_shards"], manifest["examples_per_shard"],
+                                           manifest["num_examples"])
+    manifest_path = out_dir / (MANIFEST if world_size == 1 else rank_manifest_name(rank, world_size))
     mine = [k for k in range(num_shards) if k % world_size == rank]
-    manifest_path = out_dir / name
-    done: dict[str, dict] = {}
-    if manifest_path.exists():
-        old = read_manifest(out_dir, name)
-        _check_resumable(old, manifest, manifest_path)
-        for shard in old.get("shards", []):
-            file = out_dir / shard["file"]
-            if file.is_file() and file.stat().st_size == shard["bytes"]:
-                done[shard["file"]] = shard
-        if done:
-            log.warning("%s: resuming a dump, %d of %d shards already written", out_dir, len(done), len(mine))
-    elif world_size == 1 and out_dir.is_dir() and any(out_dir.glob("shard-*.safetensors")):
-        raise HiddenStateError(f"{out_dir}: holds shard files but no {MANIFEST}; refusing to overwrite them "
-                               "(use another OUT_DIR, or delete it)")
+    done = _shards_done(out_dir, manifest_path, manifest, world_size)
+    if done:
+        log.warning("%s: resuming a dump, %d of %d shards already written", out_dir, len(done), len(mine))
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest["shards"] = sorted(done.values(), key=lambda s: s["first_example"])
     manifest["complete"] = len(done) == len(mine)
     _write_json(manifest_path, manifest)
 
-    written = 0
+    todo = [k for k in mine if shard_name(k) not in done][:max_shards]
     tokens_done = sum(s["num_tokens"] for s in done.values())
     tokens_mine = manifest["total_tokens"] * len(mine) // num_shards  # about, for the progress bar
     with tqdm(total=tokens_mine, initial=tokens_done, unit="tok", desc="hidden states") as progress:
-        for k in mine:
-            name = f"shard-{k:05d}.safetensors"
-            if name in done:
-                continue
-            if max_shards is not None and written >= max_shards:
-                break
-            first, last = k * examples_per_shard, min(num_examples, (k + 1) * examples_per_shard)
-            tensors = shard_tensors(first, last, progress)
-            tmp = out_dir / (name + ".tmp")
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            tmp.chmod(0o644)  # safetensors creates files owner-only
-            tmp.replace(out_dir / name)
-            manifest["shards"].append({"file": name, "first_example": first, "num_examples": last - first,
-                                       "num_tokens": int(tensors["input_ids"].shape[0]),
-                                       "bytes": (out_dir / name).stat().st_size})
-            manifest["shards"].sort(key=lambda s: s["first_example"])
+        for k in todo:
+            first, last = k * per_shard, min(num_examples, (k + 1) * per_shard)
+            shard = _save_shard(out_dir / shard_name(k), shard_tensors(first, last, progress), first, last)
+            manifest["shards"] = sorted([*manifest["shards"], shard], key=lambda s: s["first_example"])
             manifest["complete"] = len(manifest["shards"]) == len(mine)
             _write_json(manifest_path, manifest)
-            written += 1
     if world_size > 1 and manifest["complete"]:
         return _merge_ranks(out_dir, manifest, world_size)
     return manifest
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def _shards_done(out_dir: Path, manifest_path: Path, manifest: dict, world_size: int) -> dict[str, dict]:
+    """{file name: manifest entry} of the shards an earlier run of this same dump completed in `out_dir`; a
+    directory holding another dump, or shards with no manifest, is refused."""
+    if manifest_path.exists():
+        old = read_manifest(out_dir, manifest_path.name)
+        _check_resumable(old, manifest, manifest_path)
+        # a shard counts when its file is there whole: a rename after the write, the size the manifest recorded
+        return {s["file"]: s for s in old.get("shards", [])
+                if (out_dir / s["file"]).is_file() and (out_dir / s["file"]).stat().st_size == s["bytes"]}
+    if world_size == 1 and out_dir.is_dir() and any(out_dir.glob("shard-*.safetensors")):
+        raise HiddenStateError(f"{out_dir}: holds shard files but no {MANIFEST}; refusing to overwrite them "
+                               "(use another OUT_DIR, or delete it)")
+    return {}
+
+
+def _save_shard(path: Path, tensors: dict[str, torch.Tensor], first: int, last: int) -> dict:
+    """Write one shard atomically (a temporary name, then a rename); returns its manifest entry."""
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)  # safetensors creates files owner-only
+    tmp.replace(path)
+    return {"file": path.name, "first_example": first, "num_examples": last - first,
+            "num_tokens": int(tensors["input_ids"].shape[0]), "bytes": path.stat().st_size}
 
 
 def _merge_ranks(out_dir: Path, manifest: dict, world_size: int) -> dict:
@@ -436,110 +439,3 @@ class HiddenStateShards:
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         return state
-
-
-# -- CLI ---------------------------------------------------------------------------------------------------------
-
-def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
-    from eyas.aux_layers import default_aux_layer_ids, to_hidden_state_ids
-    from eyas.checkpoint import load_model
-    from eyas.config import DeepseekV3Config
-    from eyas.engine.llm import load_tokenizer
-    from eyas.train.data import load_dataset
-
-    config = DeepseekV3Config.from_json(args.model)
-    L = config.num_hidden_layers
-    if args.aux_layer_ids:
-        aux_ids = to_hidden_state_ids(args.aux_layer_ids, args.aux_layer_convention, L)
-    else:
-        aux_ids = default_aux_layer_ids(L)
-    if args.print_vllm_command:
-        from eyas.train.hidden_states_server import vllm_command
-
-        print(vllm_command(args.model, aux_ids, L, args.vllm_storage, served_model_name=args.served_model_name))
-        return 0
-    if args.data is None or args.out_dir is None:
-        raise ValueError("give DATA.jsonl and OUT_DIR (or --print-vllm-command)")
-    tokenizer = load_tokenizer(args.model)
-    if tokenizer is None:
-        raise ValueError(f"{args.model}: no tokenizer (tokenizer.json / tokenizer_config.json)")
-    max_length = args.max_length
-    if max_length > config.max_position_embeddings:
-        log.warning("--max-length %d exceeds the target's max_position_embeddings; truncating examples to %d",
-                    max_length, config.max_position_embeddings)
-        max_length = config.max_position_embeddings
-    examples = load_dataset(args.data, tokenizer, max_length)
-    if args.server:
-        from eyas.client import client_from_args
-        from eyas.train.hidden_states_server import ServerHiddenStates, dump_from_server
-
-        client = client_from_args(args)
-        states = ServerHiddenStates(client, aux_ids, L, config.hidden_size, keep_files=args.keep_server_files)
-        manifest = dump_from_server(states, examples, args.out_dir, config, args.model,
-                                    examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
-                                    concurrency=args.concurrency, rank=args.rank, world_size=args.world_size)
-    else:
-        target = load_model(args.model, dtype=args.target_dtype, device=args.device)
-        configure_threads(target, args.threads)
-        manifest = dump_hidden_states(target, examples, args.out_dir, aux_ids,
-                                      examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
-                                      batch_size=args.batch_size, target_path=args.model, rank=args.rank,
-                                      world_size=args.world_size)
-    if not manifest["complete"] or args.world_size > 1 and len(manifest["shards"]) < manifest["num_shards"]:
-        print(f"rank {args.rank} of {args.world_size}: wrote its {len(manifest['shards'])} shards to "
-              f"{args.out_dir}; the dump's manifest.json is written once every rank has finished")
-        return 0
-    given = (f" (given as {args.aux_layer_convention} ids {args.aux_layer_ids})"
-             if args.aux_layer_ids and args.aux_layer_convention != "hidden_states" else "")
-    print(f"wrote {manifest['num_examples']} examples ({manifest['total_tokens']} tokens, "
-          f"{manifest['total_loss_tokens']} loss tokens) in {manifest['num_shards']} shards to {args.out_dir}")
-    print(f"aux hidden states at hidden_states ids {manifest['aux_hidden_state_ids']}{given} and the last hidden "
-          f"state (id {L}, before the final norm), {manifest['dtype']}, hidden size {manifest['hidden_size']}")
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """`eyas dump-hidden-states`."""
-    from eyas.engine.llm import DEFAULT_MODEL
-
-    p = subparsers.add_parser(
-        "dump-hidden-states", help="write the target's aux hidden states for offline draft training",
-        description="Tokenize a JSONL training file and write, per token, the target's aux hidden states and its "
-        "last hidden state (before the final norm) as sharded safetensors plus manifest.json. Rerunning with the "
-        "same arguments resumes an interrupted dump.")
-    p.add_argument("data", type=Path, nargs="?", metavar="DATA.jsonl", help="conversations (OpenAI messages or "
-                   "ShareGPT) or {\"text\": ...} records")
-    p.add_argument("out_dir", type=Path, nargs="?", metavar="OUT_DIR")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint directory (default: the "
-                   "bundled tiny DeepSeek-V3)")
-    p.add_argument("--aux-layer-ids", type=int, nargs="+", metavar="ID", help="layers whose hidden states the "
-                   "draft fuses (default: (2, L//2, L-3) in hidden_states convention)")
-    p.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"], default="hidden_states",
-                   help="how --aux-layer-ids count: hidden_states (vLLM/SGLang/MAX: id i = input of layer i) or "
-                   "layer_output (Model Optimizer: id i = output of layer i, one lower)")
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per example; longer ones are truncated")
-    p.add_argument("--examples-per-shard", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8, help="examples per target forward")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the stored states")
-    p.add_argument("--target-dtype", default="auto", help="dtype the target runs in: auto (float32 on CPU, "
-                   "bfloat16 on GPU), float32, bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, help=THREADS_HELP)
-    p.add_argument("--world-size", type=int, default=1, help="split the dump over this many processes or machines "
-                   "sharing OUT_DIR: each writes every world-size-th shard")
-    p.add_argument("--rank", type=int, default=0, help="this process's share, 0..world-size-1")
-    from eyas.client import add_server_args
-
-    g = p.add_argument_group("from a running vLLM (a target this machine cannot hold)")
-    g.add_argument("--server", metavar="URL", help="fetch the states from this vLLM, started with the command "
-                   "--print-vllm-command prints; the target is not loaded here (--model gives its config and "
-                   "tokenizer)")
-    g.add_argument("--print-vllm-command", action="store_true", help="print that command for --model and the aux "
-                   "ids, and exit")
-    g.add_argument("--vllm-storage", type=Path, default=Path("/tmp/eyas-hidden-states"), help="directory the "
-                   "server writes one file per request into; this machine must see it at the same path")
-    add_server_args(g, 8, "requests in flight")
-    g.add_argument("--keep-server-files", action="store_true", help="leave the server's files in place once read "
-                   "(by default each is deleted: the shards hold the same states)")
-    p.set_defaults(func=cmd_dump_hidden_states)
-    return p

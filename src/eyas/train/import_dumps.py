@@ -53,6 +53,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
+from eyas.paths import DEFAULT_MODEL
 from eyas.train.data import Example
 from eyas.train.hidden_states import DTYPES, HiddenStateError, new_manifest, pack_shard, write_shards
 
@@ -471,8 +472,6 @@ def cmd_import_hidden_states(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`eyas import-hidden-states`."""
-    from eyas.engine.llm import DEFAULT_MODEL
-
     p = subparsers.add_parser(
         "import-hidden-states", help="convert hidden states vLLM, Model Optimizer or SpecForge dumped into an "
         "eyas dump for offline training",

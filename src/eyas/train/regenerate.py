@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from eyas.client import add_server_args
 from eyas.engine_args import EngineArgs
+from eyas.records import iter_records, normalize_record
 from eyas.sampling_params import SamplingParams
-from eyas.train.data import iter_records, normalize_record
 
 
 def normalise(record: dict, where: str) -> list[dict]:

@@ -34,6 +34,7 @@ from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_stat
 from eyas.config import DeepseekV3Config, RopeConfig
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import EAGLE31_SWITCHES, Eagle3Config, Eagle3Draft, target_ids_of
+from eyas.paths import DEFAULT_DATA, DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP, configure_threads
 from eyas.train.ttt import LOSSES, LossKind, TTTOutput, read_positions, ttt_loss
 
@@ -548,12 +549,13 @@ def measure_acceptance(cfg: TrainConfig, draft: Eagle3Draft, device: torch.devic
     import tempfile
 
     from eyas.config import SpeculativeConfig
-    from eyas.engine.llm import DEFAULT_EVAL_PROMPTS, LLM
-    from eyas.eval.acceptance import evaluate, read_prompts, spread
+    from eyas.engine.llm import LLM
+    from eyas.eval.acceptance import evaluate, spread
     from eyas.export import save_draft
+    from eyas.records import read_eval_prompts
     from eyas.sampling_params import SamplingParams
 
-    records = spread(read_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS)), cfg.eval_num_prompts)
+    records = spread(read_eval_prompts(Path(cfg.eval_prompts or DEFAULT_EVAL_PROMPTS)), cfg.eval_num_prompts)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-draft-") as tmp:
         save_draft(draft, Path(tmp), fmt="eyas")
         llm = LLM(cfg.target, device=str(device), max_num_seqs=len(records), threads=cfg.threads,
@@ -763,8 +765,6 @@ def train_device(device: str) -> torch.device:
 
 
 def add_cli(subparsers) -> None:
-    from eyas.engine.llm import DEFAULT_DATA, DEFAULT_MODEL
-
     d = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     p = subparsers.add_parser(
         "train", help="train an EAGLE-3 draft head (online or from dumped hidden states)",
@@ -867,8 +867,6 @@ def add_cli(subparsers) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the command line describes: every field is the option of the same name. With neither
     --data nor --hidden-states, the bundled target trains on the bundled conversations."""
-    from eyas.engine.llm import DEFAULT_DATA, DEFAULT_MODEL
-
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     if values["data"] is None and values["hidden_states"] is None:
         if Path(values["target"]).resolve() != DEFAULT_MODEL.resolve():

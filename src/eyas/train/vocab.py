@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eyas.models.eagle3 import target_ids_of
+from eyas.paths import DEFAULT_MODEL
 from eyas.train.data import Example
 
 log = logging.getLogger("eyas")
@@ -172,8 +173,6 @@ def cmd_calibrate_vocab(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`eyas calibrate-vocab`."""
-    from eyas.engine.llm import DEFAULT_MODEL
-
     p = subparsers.add_parser(
         "calibrate-vocab", help="build a compressed draft vocabulary (d2t/t2d) from training data",
         description="Count the loss-masked (assistant) tokens of a JSONL training file, keep the most frequent "

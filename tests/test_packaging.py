@@ -1,0 +1,40 @@
+"""The wheel carries every package and the bundled examples eyas.paths points at."""
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+import eyas
+from eyas import paths
+
+tomllib = pytest.importorskip("tomllib")
+ROOT = Path(__file__).resolve().parents[1]
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_is_listed():
+    src = Path(eyas.__file__).parent
+    on_disk = {".".join(("eyas", *p.parent.relative_to(src).parts)) for p in src.rglob("__init__.py")}
+    assert set(SETUPTOOLS["packages"]) == on_disk | {"eyas.examples"}
+    assert SETUPTOOLS["package-dir"]["eyas.examples"] == "examples"
+
+
+def test_the_defaults_are_bundled_files_the_wheel_ships():
+    assert paths.EXAMPLES == ROOT / "examples"  # a checkout: its own examples/
+    patterns = SETUPTOOLS["package-data"]["eyas.examples"]
+    for default in paths.BUNDLED:
+        files = [default] if default.is_file() else sorted(f for f in default.iterdir() if f.is_file())
+        assert files, f"{default} is empty"
+        for f in files:
+            name = f.relative_to(paths.EXAMPLES).as_posix()
+            assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in the wheel's package data"
+
+
+def test_a_missing_bundled_example_says_to_pass_the_model(monkeypatch, tmp_path):
+    gone = tmp_path / "tiny-deepseek-v3"
+    monkeypatch.setattr(paths, "BUNDLED", {gone: "--model"})
+    hint = paths.missing_hint(f"{gone}: no such checkpoint directory")
+    assert hint is not None and "pass --model" in hint
+    assert paths.missing_hint("some/other/model: no such checkpoint directory") is None
+    assert paths.missing_hint(f"{paths.DEFAULT_MODEL}: shape mismatch") is None  # it exists here
