@@ -67,9 +67,9 @@ def parse_args() -> argparse.Namespace:
 
 def prepare_draft(args: argparse.Namespace, work: Path) -> Path:
     """The draft in vLLM's layout; with --eagle31, first given fc_norm (perturbed) and norm_output."""
-    from eyas.checkpoint import load_target_head
+    from eyas.checkpoint import load_draft, load_target_head
     from eyas.export import export_draft, save_draft
-    from eyas.models.eagle3 import Eagle3Draft, load_draft
+    from eyas.models.eagle3 import Eagle3Draft
 
     source = args.draft
     if args.eagle31:

@@ -10,11 +10,10 @@ from safetensors.torch import save_file
 from tiny import BASE, make_hf_checkpoint
 
 from eyas import LLM, SamplingParams, load_model
-from eyas.checkpoint import CheckpointError
+from eyas.checkpoint import CheckpointError, canonical_key, load_draft
 from eyas.config import ConfigError, DeepseekV3Config
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
-from eyas.models.eagle3 import canonical_key, load_draft
 
 H, V, DV, L = 32, 96, 48, 4  # the tiny target: hidden, vocab, 4 layers; the draft vocab is half the target's
 MODELOPT_EAGLE_CONFIG = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,

@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 from test_eagle3 import DV, H, V, mha_config, mha_weights, mla_config, mla_weights, rms, target, target_path  # noqa: F401
 
 from eyas import LLM, SamplingParams
-from eyas.checkpoint import CheckpointError
+from eyas.checkpoint import CheckpointError, load_draft
 from eyas.config import ConfigError
 from eyas.export import ExportError, export_draft
 from eyas.inspect import inspect_report
 from eyas.models.attention import AttentionMetadata
-from eyas.models.eagle3 import EAGLE31_SWITCHES, load_draft
+from eyas.models.eagle3 import EAGLE31_SWITCHES
 from eyas.train.trainer import init_draft, new_draft_config
 from eyas.train.ttt import draft_step
 

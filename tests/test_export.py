@@ -26,9 +26,10 @@ from tiny import make_hf_checkpoint
 from eyas import LLM, SamplingParams, load_model
 from eyas import export as export_mod
 from eyas import inspect as inspect_mod
+from eyas.checkpoint import load_draft
 from eyas.export import FORMATS, ExportError, quantize_draft_fp8, save_draft
 from eyas.inspect import inspect_pair
-from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD, load_draft
+from eyas.models.eagle3 import AUX_CONVENTION_FIELD, AUX_IDS_FIELD
 
 ARCHITECTURES = {  # format -> (MHA architecture, MLA architecture, MLA model_type), DESIGN.md §4
     "eyas": ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),

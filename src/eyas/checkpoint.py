@@ -1,142 +1,53 @@
-"""Reading HF safetensors checkpoints: single file or sharded index, FP8 block-quantized weights. Never pickles."""
+"""Loading models from HF checkpoint directories, each next to the others: the target (`load_model`), its head alone
+(`load_target_head`) and an EAGLE-3 draft in any engine's layout (`load_draft`); and `save_model`. Each builds
+its model on the meta device and assigns the file's tensors with `eyas.weights.assign_weights`, which names every
+missing, unknown or misshapen weight.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.config import ConfigError, DeepseekV3Config
+from eyas.config import DeepseekV3Config, read_config_json
+from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, TargetHead
+from eyas.models.eagle3 import (
+    SWITCH_WEIGHTS,
+    Eagle3Config,
+    Eagle3Draft,
+    detect_architecture,
+    is_speculators_config,
+    speculators_to_hf,
+    target_ids_of,
+)
+from eyas.models.layers import Rotary
+from eyas.weights import (
+    CheckpointError,
+    assign_weights,
+    dequantize_fp8,
+    fp8_block_size,
+    load_weights,
+    read_safetensors,
+    resolve_dtype,
+)
 
 log = logging.getLogger("eyas")
 
-INDEX_NAME = "model.safetensors.index.json"
+# the router runs in float32, as in the reference
+FLOAT32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint eyas cannot load, with the file and key at fault."""
+# -- the target ---------------------------------------------------------------------------------------------------
 
-
-def checkpoint_files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such directory")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: expected a checkpoint directory, got a file")
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object of key -> file "
-                                  f"name): {type(e).__name__}") from e
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
-        for name in set(weight_map.values()):
-            # a shard is a file in this directory: nothing the index names may lie outside it
-            if Path(name).is_absolute() or Path(name).name != name or name in (".", ".."):
-                raise CheckpointError(f"{index}: shard file name {name!r} is not a file name in {path}; refusing "
-                                      "to read outside the model directory")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index} names shards that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        hint = f" (found {', '.join(pickles)}: pickle files are never loaded; convert to safetensors)" if pickles \
-            else ""
-        raise CheckpointError(f"{path}: no *.safetensors files{hint}")
-    return files
-
-
-def read_safetensors(path: str | Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory (or those named in `only`), as stored (FP8 stays FP8)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(Path(path)):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key in tensors:
-                        raise CheckpointError(f"{file}: key {key!r} also appears in another shard")
-                    if only is None or key in only:
-                        tensors[key] = f.get_tensor(key)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors ({type(e).__name__}: {e}); "
-                                  "the file may be truncated or corrupt") from e
-    return tensors
-
-
-def dequantize_fp8(tensors: dict[str, torch.Tensor], block_size: tuple[int, int], dtype: torch.dtype,
-                   source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Replace each float8 `weight` and its `weight_scale_inv` (one float32 scale per block) by value x scale."""
-    out = {}
-    for key, t in tensors.items():
-        if key.endswith(".weight_scale_inv"):
-            continue
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale_key = key + "_scale_inv" if key.endswith(".weight") else key + ".weight_scale_inv"
-            if scale_key not in tensors:
-                raise CheckpointError(f"{source}: FP8 tensor {key!r} has no {scale_key!r}")
-            scale = tensors[scale_key].float()
-            rows, cols = t.shape
-            br, bc = block_size
-            expected = (-(-rows // br), -(-cols // bc))
-            if tuple(scale.shape) != expected:
-                raise CheckpointError(f"{source}: {scale_key!r} has shape {tuple(scale.shape)}; expected {expected} "
-                                      f"for a {rows}x{cols} weight in {br}x{bc} blocks")
-            full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-            t = (t.float() * full).to(dtype)
-        elif t.is_floating_point():
-            t = t.to(dtype)
-        out[key] = t
-    return out
-
-
-def fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
-    q = raw_config.get("quantization_config")
-    if not q:
-        return None
-    if q.get("quant_method") != "fp8":
-        raise ConfigError(f"quantization_config.quant_method is {q.get('quant_method')!r}; expected 'fp8' "
-                          "(block-quantized e4m3 as DeepSeek ships it) or no quantization_config")
-    block = q.get("weight_block_size", [128, 128])
-    return int(block[0]), int(block[1])
-
-
-def load_weights(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint in `dtype`, FP8 blocks dequantized."""
-    path = Path(path)
-    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    tensors = read_safetensors(path)
-    block = fp8_block_size(raw) or (128, 128)
-    return dequantize_fp8(tensors, block, dtype, source=str(path))
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`auto` is float32 on CPU (fast and exact there) and bfloat16 on accelerators."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)} or 'auto'")
-    return names[dtype]
-
-
-def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu"):
+def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device = "cpu") -> DeepseekV3ForCausalLM:
     """Load a DeepSeek-V3-family target from a HF checkpoint directory."""
-    from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from eyas.models.layers import Rotary
-
     path = Path(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -150,9 +61,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
         log.warning("%s: config.json sets num_nextn_predict_layers=%d but there are no model.layers.%d.* weights; "
                     "loading without the MTP layer", path, config.num_nextn_predict_layers, L)
         config.num_nextn_predict_layers = 0
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
-    expected = set(model.state_dict().keys())
     # MTP layers share the main embedding and head (DeepSeek stores copies; some exports drop them)
     for i in range(config.num_nextn_predict_layers):
         for own, shared in ((f"model.layers.{L + i}.embed_tokens.weight", "model.embed_tokens.weight"),
@@ -160,27 +68,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
             if own not in tensors and shared in tensors:
                 log.info("%s: %s absent, using %s", path, own, shared)
                 tensors[own] = tensors[shared]
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - tensors.keys())
-    if missing:
-        raise CheckpointError(f"{path}: {len(missing)} weights missing, e.g. {', '.join(missing[:5])}")
-    unexpected = sorted(tensors.keys() - expected)
-    if unexpected:
-        raise CheckpointError(f"{path}: {len(unexpected)} unexpected weights, e.g. {', '.join(unexpected[:5])} "
-                              f"(does config.json match these weights?)")
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    for key in expected:
-        if tuple(tensors[key].shape) != tuple(shapes[key]):
-            raise CheckpointError(f"{path}: weight {key!r} has shape {tuple(tensors[key].shape)}; config.json "
-                                  f"implies {tuple(shapes[key])}")
-    # the router runs in float32, as in the reference
-    for key in expected:
-        if key.endswith("mlp.gate.weight") or key.endswith("e_score_correction_bias"):
+    for key in tensors:
+        if key.endswith(FLOAT32_WEIGHTS):
             tensors[key] = tensors[key].float()
-    # fresh allocations: tensors read from a file can sit at any byte offset, and CPU matmul kernels round
-    # differently on unaligned data, so the same checkpoint would give different last bits per load
-    model.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assign_weights(model, tensors, path, device, shared=tied)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # DeepSeek's MTP layers share the main embedding and head; checkpoints store copies. Sharing the tensors
@@ -198,11 +92,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto", devic
 HEAD_WEIGHTS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
-def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu"):
+def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto",
+                     device: str | torch.device = "cpu") -> TargetHead:
     """A target's `TargetHead` (embedding, final norm, lm_head), no other weight read: for training on hidden
     states a dump or a server provides, on a machine that could not hold the target."""
-    from eyas.models.deepseek_v3 import TargetHead
-
     path = Path(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -213,15 +106,7 @@ def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto",
                              source=str(path))
     with torch.device("meta"):
         head = TargetHead(config)
-    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-    expected = [k for k in HEAD_WEIGHTS if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    for key in expected:
-        if key not in tensors:
-            raise CheckpointError(f"{path}: weight {key!r} is missing")
-        if tuple(tensors[key].shape) != shapes[key]:
-            raise CheckpointError(f"{path}: weight {key!r} has shape {tuple(tensors[key].shape)}; config.json "
-                                  f"implies {shapes[key]}")
-    head.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in expected}, strict=False, assign=True)
+    assign_weights(head, tensors, path, device, shared={"lm_head.weight"} if config.tie_word_embeddings else ())
     if config.tie_word_embeddings:
         head.lm_head.weight = head.model.embed_tokens.weight
     return head.requires_grad_(False).eval()
@@ -243,3 +128,190 @@ def save_model(model, path: str | Path, dtype: torch.dtype = torch.bfloat16, ext
     tmp.chmod(0o644)
     tmp.replace(path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# -- EAGLE-3 drafts -----------------------------------------------------------------------------------------------
+
+# every layout's names -> the canonical `layers.0.` form (first match wins)
+_KEY_RULES = (
+    (re.compile(r"^midlayer\.(\d+)\."), r"layers.\1."),  # multi-layer SGLang-style export
+    (re.compile(r"^midlayer\."), "layers.0."),  # SGLang / SpecForge
+    (re.compile(r"^model\.(layers\.\d+\.|fc\.|fc_norm\.|input_norm\.|norm\.|embed_tokens\.)"), r"\1"),  # vLLM-style
+)
+# labelled by every engine that writes each (eyas's own vllm, max and modelopt exports all write layers.0.)
+_LAYOUTS = (("midlayer.", "midlayer. (SGLang, SpecForge)"), ("model.layers.", "model.layers.0. (some vLLM exports)"),
+            ("layers.", "layers.0. (eyas, vLLM, MAX, Model Optimizer)"))
+
+
+def canonical_key(key: str) -> str:
+    """A draft checkpoint key in the canonical form: `midlayer.x` and `model.layers.0.x` -> `layers.0.x`,
+    `model.fc.x` -> `fc.x` (also `norm`, `embed_tokens`)."""
+    for pattern, replacement in _KEY_RULES:
+        if pattern.match(key):
+            return pattern.sub(replacement, key, count=1)
+    return key
+
+
+def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,
+               allow_unused_weights: bool = False) -> Eagle3Draft:
+    """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, speculators, Model Optimizer, MAX or eyas, for
+    `target`.
+
+    The draft shares the target's embedding (and its lm_head when the file has none or an identical copy), takes
+    the target's dtype and device, and reports what it found in `draft.load_report`. `aux_convention`
+    ("hidden_states" or "layer_output") overrides how the file's aux-layer ids are read. A weight the draft does
+    not use is an error naming it (and the config switch that would use it): a draft that loads but computes
+    something else than it was trained as is the worst outcome; `allow_unused_weights` loads it anyway.
+    """
+    path = Path(path)
+    source = str(path / "config.json")
+    raw = read_config_json(path / "config.json", "an EAGLE-3 draft checkpoint directory")
+    speculators = is_speculators_config(raw)
+    if speculators:
+        raw = speculators_to_hf(raw, source)
+    weight = target.lm_head.weight
+    tensors, layouts, fp8 = _draft_tensors(path, raw, weight.dtype)
+    kind, arch_name = detect_architecture(raw, "fc.weight" in tensors, source)
+    config = Eagle3Config.from_hf(raw, target.config, kind, _num_aux_hidden_states(tensors, target, path),
+                                  aux_convention, source)
+    _drop_embedding_copy(tensors, target, path)
+    lm_head_note = _lm_head_source(tensors, config, target, path)
+    d2t_note = _check_vocab_maps(tensors, config, path)
+    shared_lm_head = target.lm_head if lm_head_note != "own" else None
+    with torch.device("meta"):
+        draft = Eagle3Draft(config, target.model.embed_tokens, shared_lm_head)
+    shared = {"embed_tokens.weight"} | ({"lm_head.weight"} if shared_lm_head is not None else set())
+    layout = ", ".join(layouts) or "unknown"
+    ignored = assign_weights(draft, tensors, path, weight.device, shared=shared, allow_unused=allow_unused_weights,
+                             describe_missing=partial(_missing_draft_weights, config, layout, arch_name),
+                             describe_unused=partial(_unused_draft_weights, config))
+    draft.rotary = Rotary(config.rope, config.max_position_embeddings).to(weight.device)
+    draft.load_report = {
+        "path": str(path), "layout": layout, "architecture": arch_name, "arch": kind,
+        "aux_hidden_state_ids": list(config.aux_hidden_state_ids), "aux_convention": config.aux_convention_assumed,
+        "num_aux_hidden_states": config.num_aux_hidden_states, "draft_vocab_size": config.draft_vocab_size,
+        "vocab_size": config.vocab_size, "d2t": d2t_note, "lm_head": lm_head_note,
+        "own_weights": sorted(k for k in draft.state_dict() if k not in shared), "shared_weights": sorted(shared),
+        "ignored_tensors": ignored, "fp8": fp8, "dtype": str(weight.dtype), "switches": config.switches,
+        "speculators": speculators,
+    }
+    return draft.eval()
+
+
+def _missing_draft_weights(config: Eagle3Config, layout: str, arch_name: str, keys: list[str]) -> str:
+    """The missing keys, the layout and architecture the file was read as, and the switches that asked for them."""
+    switched = [f"{name} is true in config.json" for name, prefix in SWITCH_WEIGHTS.items()
+                if getattr(config, name) and any(k.startswith(prefix) for k in keys)]
+    notes = "; ".join([f"layout {layout}, architecture {arch_name}", *switched])
+    return f"{', '.join(keys)} ({notes})"
+
+
+def _unused_draft_weights(config: Eagle3Config, keys: list[str]) -> str:
+    return (f"{unused_weights_message(keys, config)}; the draft would compute something other than it was trained "
+            "as. Set the switch in config.json, or load it anyway with --allow-unused-draft-weights (the weights are "
+            "then ignored)")
+
+
+def _draft_tensors(path: Path, raw: dict, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[str], bool]:
+    """(the file's tensors in `dtype` under canonical names, the layouts its names came in, whether it was FP8)."""
+    stored = read_safetensors(path)
+    fp8 = any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in stored.values())
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), dtype, source=str(path)).items():
+        name = canonical_key(key)
+        if name in tensors:
+            raise CheckpointError(f"{path}: keys {key!r} and another both map to {name!r}")
+        tensors[name] = t
+    layouts = [label for prefix, label in _LAYOUTS if any(k.startswith(prefix) for k in stored)]
+    extra_layers = sorted({k.split(".")[1] for k in tensors if k.startswith("layers.") and k.split(".")[1] != "0"})
+    if extra_layers:
+        raise CheckpointError(f"{path}: weights for decoder layers {extra_layers} beyond layer 0; eyas runs "
+                              "one-layer EAGLE-3 drafts")
+    return tensors, layouts, fp8
+
+
+def _num_aux_hidden_states(tensors: dict[str, torch.Tensor], target: DeepseekV3ForCausalLM, path: Path) -> int | None:
+    """How many hidden states fc.weight fuses (its input width over the target's hidden size); None without fc."""
+    if "fc.weight" not in tensors:
+        return None
+    H = target.config.hidden_size
+    num_aux, rest = divmod(tensors["fc.weight"].shape[-1], H)
+    if rest or num_aux not in (2, 3):
+        raise CheckpointError(f"{path}: 'fc.weight' has shape {tuple(tensors['fc.weight'].shape)}; expected input "
+                              f"width 2 or 3 x the target's hidden_size {H} ({2 * H} or {3 * H})")
+    return num_aux
+
+
+def _drop_embedding_copy(tensors: dict[str, torch.Tensor], target: DeepseekV3ForCausalLM, path: Path) -> None:
+    """The draft always uses the target's embedding: a copy in the file is dropped, with a warning if it differs."""
+    if "embed_tokens.weight" not in tensors:
+        return
+    own = tensors.pop("embed_tokens.weight")
+    reference = target.model.embed_tokens.weight.detach().float().cpu()
+    # loose tolerance: a bf16 copy of the target's embedding is the same embedding
+    if own.shape != reference.shape or not torch.allclose(own.float(), reference, rtol=1e-2, atol=1e-3):
+        log.warning("%s: embed_tokens.weight differs from the target's embedding; using the target's (an "
+                    "exported random embedding is a known exporter bug)", path)
+
+
+def _lm_head_source(tensors: dict[str, torch.Tensor], config: Eagle3Config, target: DeepseekV3ForCausalLM,
+                    path: Path) -> str:
+    """"own", or how the draft comes to share the target's lm_head: the file has none, or an exact copy (dropped)."""
+    weight = target.lm_head.weight
+    if "lm_head.weight" not in tensors:
+        if config.draft_vocab_size != target.config.vocab_size:
+            raise CheckpointError(f"{path}: 'lm_head.weight' is missing, so the target's lm_head "
+                                  f"({target.config.vocab_size} rows) would be used, but draft_vocab_size is "
+                                  f"{config.draft_vocab_size}; expected an lm_head of {config.draft_vocab_size} rows")
+        return "shared (absent from the file)"
+    if (not config.compressed_vocab and tensors["lm_head.weight"].shape == weight.shape
+            and torch.equal(tensors["lm_head.weight"], weight.detach().cpu())):
+        del tensors["lm_head.weight"]
+        return "shared (the file's copy equals the target's)"
+    return "own"
+
+
+def unused_weights_message(unused: list[str], config: Eagle3Config) -> str:
+    """Which weights a draft file holds that its config does not use, and the switch that would use each."""
+    parts = []
+    for name, prefix in SWITCH_WEIGHTS.items():
+        keys = [k for k in unused if k.startswith(prefix)]
+        if keys:
+            parts.append(f"{', '.join(keys)} present but {name} is false")
+    rest = [k for k in unused if not any(k.startswith(p) for p in SWITCH_WEIGHTS.values())]
+    if rest:
+        parts.append(f"{', '.join(rest)} used by no part of an EAGLE-3 draft eyas knows")
+    return "; ".join(parts)
+
+
+def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> str:
+    """Validate (and complete) d2t/t2d in place; returns a line for the load report."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if not config.compressed_vocab:
+        if d2t is not None and d2t.any():
+            raise CheckpointError(f"{path}: 'd2t' maps a draft vocabulary as large as the target's "
+                                  f"({config.vocab_size}) onto other ids; expected no d2t or all zeros (vLLM refuses "
+                                  "such files too)")
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+        return "absent (draft vocab = target vocab)" if d2t is None else "identity (dropped)"
+    if d2t is None:
+        return "missing"  # reported as a missing weight with the rest
+    if d2t.dim() != 1 or d2t.shape[0] != config.draft_vocab_size:
+        raise CheckpointError(f"{path}: 'd2t' has shape {tuple(d2t.shape)}; expected ({config.draft_vocab_size},) "
+                              "for draft_vocab_size")
+    if "lm_head.weight" in tensors and tensors["lm_head.weight"].shape[0] != config.draft_vocab_size:
+        raise CheckpointError(f"{path}: 'lm_head.weight' has {tensors['lm_head.weight'].shape[0]} rows; expected "
+                              f"draft_vocab_size={config.draft_vocab_size}")
+    d2t = d2t.long()
+    target_ids = target_ids_of(d2t)
+    if target_ids.min() < 0 or target_ids.max() >= config.vocab_size or target_ids.unique().numel() != d2t.numel():
+        raise CheckpointError(f"{path}: 'd2t' maps draft ids to target ids outside 0..{config.vocab_size - 1} "
+                              "or to one target id twice")
+    derived = torch.zeros(config.vocab_size, dtype=torch.bool)
+    derived[target_ids] = True
+    if t2d is not None and (t2d.shape != derived.shape or not torch.equal(t2d.bool(), derived)):
+        raise CheckpointError(f"{path}: 't2d' (shape {tuple(t2d.shape)}) does not mark exactly the target ids "
+                              "d2t maps to")
+    tensors["d2t"], tensors["t2d"] = d2t, derived
+    return "present" if t2d is not None else "present (t2d derived from d2t)"

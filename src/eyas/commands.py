@@ -147,8 +147,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     """Parse `argv` with `parser` and run its command; returns the exit status (2 for an error printed as one
     line, 130 for Ctrl-C)."""
-    from eyas.checkpoint import CheckpointError
     from eyas.config import ConfigError
+    from eyas.weights import CheckpointError
 
     command = "eyas"
     try:

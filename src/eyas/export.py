@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
-from eyas.checkpoint import CheckpointError, checkpoint_files, dequantize_fp8, load_target_head
+from eyas.checkpoint import load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
@@ -47,9 +47,9 @@ from eyas.models.eagle3 import (
     EAGLE31_SWITCHES,
     SPECULATORS_ARCHITECTURE,
     Eagle3Draft,
-    load_draft,
 )
 from eyas.paths import DEFAULT_MODEL
+from eyas.weights import CheckpointError, checkpoint_files, dequantize_fp8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -373,7 +373,7 @@ def quantize_draft_fp8(src_dir: str | Path, out_dir: str | Path, target: nn.Modu
         if not torch.isfinite(weight).all():
             raise ExportError(f"{src_dir}: weight {key!r} has inf or NaN values; cannot scale it to FP8")
         values, scale = quantize_fp8_blocks(weight, block)
-        # the error the loader will see: dequantized exactly as eyas.checkpoint.dequantize_fp8 does it
+        # the error the loader will see: dequantized exactly as eyas.weights.dequantize_fp8 does it
         restored = dequantize_fp8({key: values, key + "_scale_inv": scale}, (block, block), torch.float32)[key]
         error = (restored - weight.float()).abs().max().item()
         if error >= worst:

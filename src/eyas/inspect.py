@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
-from eyas.checkpoint import CheckpointError, load_target_head
+from eyas.checkpoint import canonical_key, load_draft, load_target_head
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, stored_dtype
 from eyas.models.eagle3 import (
@@ -28,11 +28,10 @@ from eyas.models.eagle3 import (
     EAGLE31_SWITCHES,
     MODELOPT_EAGLE_KEYS,
     SWITCH_WEIGHTS,
-    canonical_key,
     is_speculators_config,
-    load_draft,
 )
 from eyas.paths import DEFAULT_MODEL
+from eyas.weights import CheckpointError
 
 METHODS = ("eagle", "mtp")
 

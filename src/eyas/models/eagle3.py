@@ -9,17 +9,16 @@ One decoder layer over a 2H input (DESIGN.md §4):
     logits   = lm_head(norm(prenorm))                    draft vocab, scattered to target ids via d2t
 
 The module's own state dict is in the canonical (Model Optimizer / MAX) form: `fc.weight`, `layers.0.*`,
-`norm.weight`, `lm_head.weight`, and the `d2t`/`t2d` buffers when the vocabulary is compressed. `load_draft` reads
-every layout other engines write (SGLang/SpecForge `midlayer.`, vLLM `model.layers.0.`, FP8 blocks, shared or own
-lm_head) with no conversion step, and records what it decided in `draft.load_report`.
+`norm.weight`, `lm_head.weight`, and the `d2t`/`t2d` buffers when the vocabulary is compressed.
+`eyas.checkpoint.load_draft` reads every layout other engines write (SGLang/SpecForge `midlayer.`, vLLM
+`model.layers.0.`, FP8 blocks, shared or own lm_head) with no conversion step, and records what it decided in
+`draft.load_report`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
-from eyas.checkpoint import CheckpointError, dequantize_fp8, fp8_block_size, read_safetensors
-from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
 from eyas.models.attention import AttentionMetadata, paged_attention
-from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
+from eyas.models.deepseek_v3 import MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
 log = logging.getLogger("eyas")
@@ -435,27 +433,7 @@ class Eagle3Draft(nn.Module):
         return (2, c.num_key_value_heads, c.head_dim)
 
 
-# ---- loading -------------------------------------------------------------------------------------------------
-
-# every layout's names -> the canonical `layers.0.` form (first match wins)
-_KEY_RULES = (
-    (re.compile(r"^midlayer\.(\d+)\."), r"layers.\1."),  # multi-layer SGLang-style export
-    (re.compile(r"^midlayer\."), "layers.0."),  # SGLang / SpecForge
-    (re.compile(r"^model\.(layers\.\d+\.|fc\.|fc_norm\.|input_norm\.|norm\.|embed_tokens\.)"), r"\1"),  # vLLM-style
-)
-# labelled by every engine that writes each (eyas's own vllm, max and modelopt exports all write layers.0.)
-_LAYOUTS = (("midlayer.", "midlayer. (SGLang, SpecForge)"), ("model.layers.", "model.layers.0. (some vLLM exports)"),
-            ("layers.", "layers.0. (eyas, vLLM, MAX, Model Optimizer)"))
-
-
-def canonical_key(key: str) -> str:
-    """A draft checkpoint key in the canonical form: `midlayer.x` and `model.layers.0.x` -> `layers.0.x`,
-    `model.fc.x` -> `fc.x` (also `norm`, `embed_tokens`)."""
-    for pattern, replacement in _KEY_RULES:
-        if pattern.match(key):
-            return pattern.sub(replacement, key, count=1)
-    return key
-
+# ---- which draft a config.json describes -----------------------------------------------------------------------------
 
 def detect_architecture(raw: dict, has_fc: bool, source: str) -> tuple[str, str]:
     """("mha" | "mla", the architecture as named in the report), or a ConfigError listing what is supported."""
@@ -471,124 +449,6 @@ def detect_architecture(raw: dict, has_fc: bool, source: str) -> tuple[str, str]
     pairs = "; ".join(f"({method}, {arch}) [{note}]" for method, arch, note in SUPPORTED)
     raise ConfigError(f"{source}: field 'architectures' is {archs!r} (model_type {model_type!r}); expected an "
                       f"EAGLE-3 draft. Supported (method, architecture) pairs: {pairs}")
-
-
-def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,
-               allow_unused_weights: bool = False) -> Eagle3Draft:
-    """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, speculators, Model Optimizer, MAX or eyas, for
-    `target`.
-
-    The draft shares the target's embedding (and its lm_head when the file has none or an identical copy), takes
-    the target's dtype and device, and reports what it found in `draft.load_report`. `aux_convention`
-    ("hidden_states" or "layer_output") overrides how the file's aux-layer ids are read. A weight the draft does
-    not use is an error naming it (and the config switch that would use it): a draft that loads but computes
-    something else than it was trained as is the worst outcome; `allow_unused_weights` loads it anyway.
-    """
-    path = Path(path)
-    source = str(path / "config.json")
-    raw = read_config_json(path / "config.json", "an EAGLE-3 draft checkpoint directory")
-    speculators = is_speculators_config(raw)
-    if speculators:
-        raw = speculators_to_hf(raw, source)
-    weight = target.lm_head.weight
-    dtype, device = weight.dtype, weight.device
-
-    stored = read_safetensors(path)
-    fp8 = any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in stored.values())
-    block = fp8_block_size(raw) or (128, 128)
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in dequantize_fp8(stored, block, dtype, source=str(path)).items():
-        name = canonical_key(key)
-        if name in tensors:
-            raise CheckpointError(f"{path}: keys {key!r} and another both map to {name!r}")
-        tensors[name] = t
-    layouts = [label for prefix, label in _LAYOUTS if any(k.startswith(prefix) for k in stored)]
-    extra_layers = sorted({k.split(".")[1] for k in tensors if k.startswith("layers.") and k.split(".")[1] != "0"})
-    if extra_layers:
-        raise CheckpointError(f"{path}: weights for decoder layers {extra_layers} beyond layer 0; eyas runs "
-                              "one-layer EAGLE-3 drafts")
-
-    kind, arch_name = detect_architecture(raw, "fc.weight" in tensors, source)
-    num_aux = None
-    if "fc.weight" in tensors:
-        fc_in = tensors["fc.weight"].shape[-1]
-        num_aux, rest = divmod(fc_in, target.config.hidden_size)
-        if rest or num_aux not in (2, 3):
-            raise CheckpointError(f"{path}: 'fc.weight' has shape {tuple(tensors['fc.weight'].shape)}; expected "
-                                  f"input width 2 or 3 x the target's hidden_size {target.config.hidden_size} "
-                                  f"({2 * target.config.hidden_size} or {3 * target.config.hidden_size})")
-    config = Eagle3Config.from_hf(raw, target.config, kind, num_aux, aux_convention, source)
-
-    # shared modules: the embedding always; the lm_head when the file has none or an exact copy of the target's
-    embed = target.model.embed_tokens
-    if "embed_tokens.weight" in tensors:
-        own_embed = tensors.pop("embed_tokens.weight")
-        reference = embed.weight.detach().float().cpu()
-        # loose tolerance: a bf16 copy of the target's embedding is the same embedding
-        if own_embed.shape != reference.shape or not torch.allclose(own_embed.float(), reference, rtol=1e-2, atol=1e-3):
-            log.warning("%s: embed_tokens.weight differs from the target's embedding; using the target's (an "
-                        "exported random embedding is a known exporter bug)", path)
-    lm_head_note = "own"
-    if "lm_head.weight" not in tensors:
-        if config.draft_vocab_size != target.config.vocab_size:
-            raise CheckpointError(f"{path}: 'lm_head.weight' is missing, so the target's lm_head "
-                                  f"({target.config.vocab_size} rows) would be used, but draft_vocab_size is "
-                                  f"{config.draft_vocab_size}; expected an lm_head of {config.draft_vocab_size} rows")
-        lm_head_note = "shared (absent from the file)"
-    elif (not config.compressed_vocab and tensors["lm_head.weight"].shape == weight.shape
-          and torch.equal(tensors["lm_head.weight"], weight.detach().cpu())):
-        del tensors["lm_head.weight"]
-        lm_head_note = "shared (the file's copy equals the target's)"
-    shared_lm_head = target.lm_head if lm_head_note != "own" else None
-
-    d2t_note = _check_vocab_maps(tensors, config, path)
-    with torch.device("meta"):
-        draft = Eagle3Draft(config, embed, shared_lm_head)
-    shared = {"embed_tokens.weight"} | ({"lm_head.weight"} if shared_lm_head is not None else set())
-    shapes = {k: tuple(v.shape) for k, v in draft.state_dict().items() if k not in shared}
-    missing = sorted(shapes.keys() - tensors.keys())
-    if missing:
-        switched = [f"{name} is true in config.json" for name, prefix in SWITCH_WEIGHTS.items()
-                    if getattr(config, name) and any(k.startswith(prefix) for k in missing)]
-        raise CheckpointError(f"{path}: {len(missing)} draft weights missing: {', '.join(missing)} "
-                              f"(layout {', '.join(layouts) or 'unknown'}, architecture {arch_name}"
-                              f"{'; ' + ', '.join(switched) if switched else ''})")
-    unexpected = sorted(tensors.keys() - shapes.keys())
-    if unexpected and not allow_unused_weights:
-        raise CheckpointError(f"{path}: {unused_weights_message(unexpected, config)}; the draft would compute "
-                              "something other than it was trained as. Set the switch in config.json, or load it "
-                              "anyway with --allow-unused-draft-weights (the weights are then ignored)")
-    if unexpected:
-        log.warning("%s: ignoring %d unused tensors (allowed): %s", path, len(unexpected), ", ".join(unexpected))
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            raise CheckpointError(f"{path}: weight {key!r} has shape {tuple(tensors[key].shape)}; config.json "
-                                  f"implies {shape}")
-    # fresh, aligned allocations (see load_model): the same file must give the same bits on every load
-    draft.load_state_dict({k: tensors[k].to(device=device, copy=True) for k in shapes}, strict=False, assign=True)
-    draft.rotary = Rotary(config.rope, config.max_position_embeddings).to(device)
-    draft.load_report = {
-        "path": str(path), "layout": ", ".join(layouts) or "unknown", "architecture": arch_name, "arch": kind,
-        "aux_hidden_state_ids": list(config.aux_hidden_state_ids), "aux_convention": config.aux_convention_assumed,
-        "num_aux_hidden_states": config.num_aux_hidden_states, "draft_vocab_size": config.draft_vocab_size,
-        "vocab_size": config.vocab_size, "d2t": d2t_note, "lm_head": lm_head_note, "own_weights": sorted(shapes),
-        "shared_weights": sorted(shared), "ignored_tensors": unexpected, "fp8": fp8, "dtype": str(dtype),
-        "switches": config.switches, "speculators": speculators,
-    }
-    return draft.eval()
-
-
-def unused_weights_message(unused: list[str], config: Eagle3Config) -> str:
-    """Which weights a draft file holds that its config does not use, and the switch that would use each."""
-    parts = []
-    for name, prefix in SWITCH_WEIGHTS.items():
-        keys = [k for k in unused if k.startswith(prefix)]
-        if keys:
-            parts.append(f"{', '.join(keys)} present but {name} is false")
-    rest = [k for k in unused if not any(k.startswith(p) for p in SWITCH_WEIGHTS.values())]
-    if rest:
-        parts.append(f"{', '.join(rest)} used by no part of an EAGLE-3 draft eyas knows")
-    return "; ".join(parts)
 
 
 # ---- the speculators format (vLLM's `speculators` library; vLLM loads it natively) ------------------------------
@@ -626,34 +486,9 @@ def speculators_to_hf(raw: dict, source: str) -> dict:
     return flat
 
 
-def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> str:
-    """Validate (and complete) d2t/t2d in place; returns a line for the load report."""
-    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
-    if not config.compressed_vocab:
-        if d2t is not None and d2t.any():
-            raise CheckpointError(f"{path}: 'd2t' maps a draft vocabulary as large as the target's "
-                                  f"({config.vocab_size}) onto other ids; expected no d2t or all zeros (vLLM refuses "
-                                  "such files too)")
-        tensors.pop("d2t", None)
-        tensors.pop("t2d", None)
-        return "absent (draft vocab = target vocab)" if d2t is None else "identity (dropped)"
-    if d2t is None:
-        return "missing"  # reported as a missing weight with the rest
-    if d2t.dim() != 1 or d2t.shape[0] != config.draft_vocab_size:
-        raise CheckpointError(f"{path}: 'd2t' has shape {tuple(d2t.shape)}; expected ({config.draft_vocab_size},) "
-                              "for draft_vocab_size")
-    if "lm_head.weight" in tensors and tensors["lm_head.weight"].shape[0] != config.draft_vocab_size:
-        raise CheckpointError(f"{path}: 'lm_head.weight' has {tensors['lm_head.weight'].shape[0]} rows; expected "
-                              f"draft_vocab_size={config.draft_vocab_size}")
-    d2t = d2t.long()
-    target_ids = target_ids_of(d2t)
-    if target_ids.min() < 0 or target_ids.max() >= config.vocab_size or target_ids.unique().numel() != d2t.numel():
-        raise CheckpointError(f"{path}: 'd2t' maps draft ids to target ids outside 0..{config.vocab_size - 1} "
-                              "or to one target id twice")
-    derived = torch.zeros(config.vocab_size, dtype=torch.bool)
-    derived[target_ids] = True
-    if t2d is not None and (t2d.shape != derived.shape or not torch.equal(t2d.bool(), derived)):
-        raise CheckpointError(f"{path}: 't2d' (shape {tuple(t2d.shape)}) does not mark exactly the target ids "
-                              "d2t maps to")
-    tensors["d2t"], tensors["t2d"] = d2t, derived
-    return "present" if t2d is not None else "present (t2d derived from d2t)"
+def load_draft(*args, **kwargs) -> Eagle3Draft:
+    """`eyas.checkpoint.load_draft`, under the name eyas/engine/llm.py still imports it by; goes once that file
+    imports it from eyas.checkpoint (tests/test_imports.py says when)."""
+    from eyas.checkpoint import load_draft
+
+    return load_draft(*args, **kwargs)

@@ -419,7 +419,7 @@ def import_hidden_states(src: str | Path, out_dir: str | Path, layout: Layout, c
 
 def final_norm_weight(model_dir: Path) -> torch.Tensor:
     """model.norm.weight of a checkpoint directory, float32, read alone."""
-    from eyas.checkpoint import CheckpointError, checkpoint_files
+    from eyas.weights import CheckpointError, checkpoint_files
 
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as f:

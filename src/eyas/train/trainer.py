@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -277,71 +278,70 @@ class RunLock:
         self.file.close()
 
 
-def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
-    from eyas.checkpoint import load_model, load_target_head
-    from eyas.engine.llm import load_tokenizer
+@dataclass(slots=True)
+class Run:
+    """Everything the loop reads, as `setup` built it; the loop changes only `step`."""
 
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    out: Path
+    target: nn.Module  # the whole target (online) or only its head (states from a dump or a server)
+    examples: Any  # list of {"input_ids", "loss_mask"} (online), HiddenStateShards or StreamedHiddenStates
+    streamed: Any  # the StreamedHiddenStates of --hidden-states-server, else None
+    aux_ids: tuple[int, ...]
+    last_hidden_post_norm: bool
+    draft: Eagle3Draft
+    loss_fn: TTTLoss
+    fsdp: bool
+    names: tuple[str, ...]  # the trained parameters' names, in the optimizer's order
+    params: tuple[torch.Tensor, ...]
+    optimizer: torch.optim.Optimizer
+    step: int
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "train_log.jsonl"
+
+    @property
+    def state_path(self) -> Path:
+        return self.out / "checkpoint" / "state.pt"
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then a cosine down to min_lr_ratio x lr at max_steps; a run extended on resuming (a larger
+    --max-steps) stretches the cosine from where it is."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
+    run = setup(cfg, resume)
+    if run.step >= cfg.max_steps:
+        if run.rank == 0:
+            print(f"{run.state_path} is at step {run.step}: nothing to train below --max-steps {cfg.max_steps} "
+                  "(raise it to extend the run)", file=sys.stderr)
+        return {"step": run.step}
+    return train_loop(run, on_step)
+
+
+# -- setup: target, data, draft, optimizer, the step resumed from --------------------------------------------------
+
+def setup(cfg: TrainConfig, resume: bool) -> Run:
+    """Everything a run trains with, resumed from OUT's checkpoint with `resume`; on rank 0, OUT prepared (the log
+    cut back to the checkpoint's step, the recipe written)."""
     rank, world = setup_distributed(cfg.device)
     device = train_device(cfg.device)
-    out = Path(cfg.out)
     if cfg.eval_every and cfg.fsdp and world > 1:
         raise ValueError("--eval-every needs the whole draft on one rank; it does not run with --fsdp")
-    if cfg.hidden_states or cfg.hidden_states_server:  # the states come from elsewhere: only the head is needed
-        target = load_target_head(cfg.target, dtype=cfg.target_dtype, device=device)
-    else:
-        target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
-    target.requires_grad_(False)
-    configure_threads(target, cfg.threads)
-    L = target.config.num_hidden_layers
-
-    if cfg.hidden_states:
-        from eyas.train.hidden_states import HiddenStateShards
-
-        data = HiddenStateShards(cfg.hidden_states)
-        aux_ids = tuple(data.manifest["aux_hidden_state_ids"])
-        last_hidden_post_norm = data.last_hidden_post_norm
-        examples = data
-    else:
-        from eyas.train.data import load_dataset
-
-        tokenizer = load_tokenizer(cfg.target)
-        raw_ids = cfg.aux_layer_ids or list(default_aux_layer_ids(L))
-        aux_ids = to_hidden_state_ids(raw_ids, AuxConvention(cfg.aux_layer_convention), L)
-        loaded = load_dataset(cfg.data, tokenizer, cfg.max_length)
-        examples = [{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in loaded]
-        last_hidden_post_norm = False
-    streamed = None
-    if cfg.hidden_states_server:
-        from eyas.client import ServerClient
-        from eyas.train.hidden_states_server import ServerHiddenStates, StreamedHiddenStates
-
-        client = ServerClient(cfg.hidden_states_server, cfg.served_model_name, cfg.api_key)
-        states = ServerHiddenStates(client, aux_ids, L, target.config.hidden_size)
-        examples = streamed = StreamedHiddenStates(states, loaded, target.lm_head.weight.dtype)
+    target = _load_target(cfg, device)
+    examples, streamed, aux_ids, last_hidden_post_norm = _training_data(cfg, target)
     if len(examples) < cfg.batch_size:
         raise ValueError(f"{len(examples)} training examples are fewer than one batch of {cfg.batch_size}")
-
-    d2t = None
-    draft_vocab = cfg.draft_vocab_size
-    vocab_size = target.config.vocab_size
-    if cfg.vocab_file:
-        from eyas.train.vocab import load_vocab
-
-        d2t, _ = load_vocab(cfg.vocab_file)
-        draft_vocab = d2t.shape[0]
-    elif draft_vocab != 0:
-        from eyas.train.vocab import auto_draft_vocab_size, count_loss_tokens, coverage_stats, select_draft_vocab
-
-        counts = count_loss_tokens(_examples_for_vocab(examples), vocab_size)
-        if draft_vocab is None:
-            draft_vocab = auto_draft_vocab_size(counts)
-        if draft_vocab != vocab_size:
-            d2t, t2d = select_draft_vocab(counts, draft_vocab)
-        if rank == 0:
-            covered = coverage_stats(counts, t2d)["coverage"] if d2t is not None else 1.0
-            chosen = "auto, " if cfg.draft_vocab_size is None else ""
-            print(f"draft vocabulary: {draft_vocab} of {vocab_size} ids ({chosen}{covered:.1%} of the loss tokens)",
-                  file=sys.stderr)
+    d2t, draft_vocab = _draft_vocabulary(cfg, examples, target.config.vocab_size, rank)
     draft_config = new_draft_config(target.config, cfg.draft_arch, aux_ids, draft_vocab, cfg.intermediate_size,
                                     {name: getattr(cfg, name) for name in EAGLE31_SWITCHES})
     draft = init_draft(target, draft_config, d2t, seed=cfg.seed)
@@ -354,124 +354,205 @@ def _train(cfg: TrainConfig, resume: bool, on_step) -> dict:
     frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head else ("embed_tokens",)
     names, params = zip(*[(name, p) for name, p in draft.named_parameters() if not name.startswith(frozen)])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-
-    step = 0
-    state_path = out / "checkpoint" / "state.pt"
-    state = load_training_state(out / "checkpoint", device) if resume else None
+    run = Run(cfg, rank, world, device, Path(cfg.out), target, examples, streamed, aux_ids, last_hidden_post_norm,
+              draft, loss_fn, fsdp, names, params, optimizer, step=0)
+    state = load_training_state(run.out / "checkpoint", device) if resume else None
     if state is not None:
-        check_resumable(cfg, state["config"], state_path)
+        check_resumable(cfg, state["config"], run.state_path)
         if fsdp:
             load_sharded_state(draft, optimizer, state, names)
         else:
             draft.load_state_dict(state["draft"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+        run.step = state["step"]
     elif resume and rank == 0:
-        print(f"no checkpoint in {state_path.parent}; starting from step 0", file=sys.stderr)
-
-    def lr_at(s: int) -> float:
-        # a run extended on resuming (a larger --max-steps) stretches the cosine from where it is
-        if s < cfg.warmup_steps:
-            return cfg.lr * (s + 1) / cfg.warmup_steps
-        progress = min(1.0, (s - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    log_path = out / "train_log.jsonl"
+        print(f"no checkpoint in {run.state_path.parent}; starting from step 0", file=sys.stderr)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if log_path.exists():  # drop records past the checkpoint: the steps after it are about to be rerun
-            kept = [r for r in read_log(log_path) if r["step"] <= step]
-            log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        write_recipe(out / RECIPE_NAME, cfg)
-        print(f"training a {cfg.draft_arch} draft for {cfg.target}: steps {step} -> {cfg.max_steps}, "
-              f"{len(examples)} examples, batches of {cfg.batch_size} x up to {cfg.max_length} tokens, lr {cfg.lr}; "
-              f"writing {out} (Ctrl-C saves and stops)", file=sys.stderr)
-    if step >= cfg.max_steps:
-        if rank == 0:
-            print(f"{state_path} is at step {step}: nothing to train below --max-steps {cfg.max_steps} (raise it "
-                  "to extend the run)", file=sys.stderr)
-        return {"step": step}
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=rank != 0)
+        _prepare_out(run)
+    return run
+
+
+def _load_target(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """The frozen target; only its head when the hidden states come from elsewhere (a dump, a server)."""
+    from eyas.checkpoint import load_model, load_target_head
+
+    if cfg.hidden_states or cfg.hidden_states_server:
+        target = load_target_head(cfg.target, dtype=cfg.target_dtype, device=device)
+    else:
+        target = load_model(cfg.target, dtype=cfg.target_dtype, device=device)
+    target.requires_grad_(False)
+    configure_threads(target, cfg.threads)
+    return target
+
+
+def _training_data(cfg: TrainConfig, target: nn.Module) -> tuple[Any, Any, tuple[int, ...], bool]:
+    """(the examples, the server's stream of their states or None, the aux ids, whether last_hidden is past the
+    final norm): a dump's, or --data's tokenized (with their states fetched from --hidden-states-server)."""
+    L = target.config.num_hidden_layers
+    if cfg.hidden_states:
+        from eyas.train.hidden_states import HiddenStateShards
+
+        data = HiddenStateShards(cfg.hidden_states)
+        return data, None, tuple(data.manifest["aux_hidden_state_ids"]), data.last_hidden_post_norm
+    from eyas.engine.llm import load_tokenizer
+    from eyas.train.data import load_dataset
+
+    aux_ids = to_hidden_state_ids(cfg.aux_layer_ids or list(default_aux_layer_ids(L)),
+                                  AuxConvention(cfg.aux_layer_convention), L)
+    loaded = load_dataset(cfg.data, load_tokenizer(cfg.target), cfg.max_length)
+    if not cfg.hidden_states_server:
+        return [{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in loaded], None, aux_ids, False
+    from eyas.client import ServerClient
+    from eyas.train.hidden_states_server import ServerHiddenStates, StreamedHiddenStates
+
+    client = ServerClient(cfg.hidden_states_server, cfg.served_model_name, cfg.api_key)
+    states = ServerHiddenStates(client, aux_ids, L, target.config.hidden_size)
+    streamed = StreamedHiddenStates(states, loaded, target.lm_head.weight.dtype)
+    return streamed, streamed, aux_ids, False
+
+
+def _draft_vocabulary(cfg: TrainConfig, examples, vocab_size: int, rank: int) -> tuple[torch.Tensor | None, int]:
+    """(d2t or None, the draft's vocabulary size): from --vocab-file, the whole vocabulary, or the most frequent
+    loss tokens of the training data (how many: --draft-vocab-size, or chosen by auto_draft_vocab_size)."""
+    if cfg.vocab_file:
+        from eyas.train.vocab import load_vocab
+
+        d2t, _ = load_vocab(cfg.vocab_file)
+        return d2t, d2t.shape[0]
+    draft_vocab = cfg.draft_vocab_size
+    if draft_vocab == 0:
+        return None, 0
+    from eyas.train.vocab import auto_draft_vocab_size, count_loss_tokens, coverage_stats, select_draft_vocab
+
+    counts = count_loss_tokens(_examples_for_vocab(examples), vocab_size)
+    if draft_vocab is None:
+        draft_vocab = auto_draft_vocab_size(counts)
+    d2t = t2d = None
+    if draft_vocab != vocab_size:
+        d2t, t2d = select_draft_vocab(counts, draft_vocab)
+    if rank == 0:
+        covered = coverage_stats(counts, t2d)["coverage"] if d2t is not None else 1.0
+        chosen = "auto, " if cfg.draft_vocab_size is None else ""
+        print(f"draft vocabulary: {draft_vocab} of {vocab_size} ids ({chosen}{covered:.1%} of the loss tokens)",
+              file=sys.stderr)
+    return d2t, draft_vocab
+
+
+def _prepare_out(run: Run) -> None:
+    cfg, out = run.cfg, run.out
+    out.mkdir(parents=True, exist_ok=True)
+    if run.log_path.exists():  # drop records past the checkpoint: the steps after it are about to be rerun
+        kept = [r for r in read_log(run.log_path) if r["step"] <= run.step]
+        run.log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    write_recipe(out / RECIPE_NAME, cfg)
+    print(f"training a {cfg.draft_arch} draft for {cfg.target}: steps {run.step} -> {cfg.max_steps}, "
+          f"{len(run.examples)} examples, batches of {cfg.batch_size} x up to {cfg.max_length} tokens, lr {cfg.lr}; "
+          f"writing {out} (Ctrl-C saves and stops)", file=sys.stderr)
+
+
+# -- the loop -------------------------------------------------------------------------------------------------------
+
+def train_loop(run: Run, on_step=None) -> dict:
+    """Train from `run.step` to max_steps (or a Ctrl-C); returns the last log record. Each step: the learning rate,
+    the batch, the target's features, the TTT loss, backward, clip, step; then log, evaluate and save as due."""
+    cfg = run.cfg
+    bar = tqdm(total=cfg.max_steps, initial=run.step, desc="train", unit="step", disable=run.rank != 0)
     record: dict = {}
     tokens, start = 0, time.perf_counter()
     last_save = time.monotonic()
-    loss_kind = LossKind(cfg.loss, cfg.lk_lambda_scale, cfg.lk_lambda_decay)
     with StopOnInterrupt() as interrupt:
-        while step < cfg.max_steps:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-            indices = batch_indices(len(examples), step, cfg.batch_size, cfg.seed)[rank::world]
-            if streamed is not None:  # this step's batch waits on the server; the next steps' are fetched meanwhile
-                for ahead in range(step + 1, min(step + 1 + PREFETCH_STEPS, cfg.max_steps)):
-                    streamed.prefetch(ahead, batch_indices(len(examples), ahead, cfg.batch_size, cfg.seed)[rank::world])
-                items = streamed.batch(step, indices)
-            else:
-                items = [examples[i] for i in indices]
-            batch = {k: v.to(device) for k, v in collate(items, cfg.max_length).items()}
-            aux, target_logits = target_features(target, batch, aux_ids, last_hidden_post_norm)
-            with cfg.autocast(device):
-                result = loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
-                                 cfg.loss_decay, loss_kind)
-            counts = torch.stack(result.counts).detach()
-            if world > 1:
-                dist.all_reduce(counts)
-            loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            # each rank's loss is its share of the global loss: summed gradients are the global gradient (under
-            # FSDP the backward pass has already reduce-scattered them, summed, into each rank's shard)
-            if world > 1 and not fsdp:
-                for p in params:
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
-            optimizer.step()
-            step += 1
-            tokens += int(batch["loss_mask"].numel())
-            stats = torch.stack([torch.stack(result.loss_sums).detach(), torch.stack(result.correct)])
-            if world > 1:
-                dist.all_reduce(stats)
-            per_step_loss = (stats[0] / counts.clamp(min=1)).tolist()
-            global_loss = sum(cfg.loss_decay ** k * x for k, x in enumerate(per_step_loss))
-            record = {"step": step, "loss": round(global_loss, 5), "lr": lr_at(step - 1),
-                      "grad_norm": round(grad_norm, 4),
-                      "loss_per_step": [round(x, 5) for x in per_step_loss],
-                      "acc_per_step": [round(x, 5) for x in (stats[1] / counts.clamp(min=1)).tolist()],
-                      "tokens_per_s": round(tokens * world / (time.perf_counter() - start), 1)}
+        while run.step < cfg.max_steps:
+            record = train_step(run)
+            tokens += record.pop("tokens")
+            record["tokens_per_s"] = round(tokens * run.world / (time.perf_counter() - start), 1)
             bar.update(1)
-            if cfg.eval_every and rank == 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                record["eval_acceptance_length"] = measure_acceptance(cfg, draft, device)
-            if rank == 0:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if step % cfg.log_every == 0 or "eval_acceptance_length" in record:
-                    postfix = {"loss": record["loss"], "acc0": record["acc_per_step"][0]}
-                    if "eval_acceptance_length" in record:
-                        postfix["AL"] = record["eval_acceptance_length"]
-                    bar.set_postfix(postfix)
+            if cfg.eval_every and run.rank == 0 and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps):
+                record["eval_acceptance_length"] = measure_acceptance(cfg, run.draft, run.device)
+            if run.rank == 0:
+                _log(run, record, bar)
             # every rank must take the same decision: a sharded save gathers from all of them
-            stop, overdue = _agreed(world, interrupt.requested, time.monotonic() - last_save >= cfg.save_minutes * 60)
-            if step % cfg.save_every == 0 or step == cfg.max_steps or stop or overdue:
-                if fsdp:  # gathering the shards takes every rank
-                    save_sharded_checkpoint(out, draft, optimizer, step, cfg, names, rank)
-                elif rank == 0:
-                    save_checkpoint(out, draft, optimizer.state_dict(), step, cfg)
+            stop, overdue = _agreed(run.world, interrupt.requested,
+                                    time.monotonic() - last_save >= cfg.save_minutes * 60)
+            if run.step % cfg.save_every == 0 or run.step == cfg.max_steps or stop or overdue:
+                _save(run)
                 last_save = time.monotonic()
             if on_step is not None:
-                on_step(step, record)
+                on_step(run.step, record)
             if stop:
                 record["interrupted"] = True
                 break
     bar.close()
-    if streamed is not None:
-        streamed.close()
-    if rank == 0:
-        plot_log(log_path, out / "train_curves.png", title=f"{cfg.draft_arch} draft for {Path(cfg.target).name}")
-        elapsed = time.perf_counter() - start
+    if run.streamed is not None:
+        run.streamed.close()
+    if run.rank == 0:
+        plot_log(run.log_path, run.out / "train_curves.png",
+                 title=f"{cfg.draft_arch} draft for {Path(cfg.target).name}")
         how = "interrupted; continue with --resume" if record.get("interrupted") else "done"
-        print(f"step {step} of {cfg.max_steps} ({how}) after {elapsed / 60:.1f} min: draft in {out / 'draft'}, "
-              f"checkpoint in {state_path}", file=sys.stderr)
+        print(f"step {run.step} of {cfg.max_steps} ({how}) after {(time.perf_counter() - start) / 60:.1f} min: "
+              f"draft in {run.out / 'draft'}, checkpoint in {run.state_path}", file=sys.stderr)
     return record
+
+
+def train_step(run: Run) -> dict:
+    """One optimizer step on this rank's slice of the step's global batch; returns its log record (with the
+    number of batch positions this rank read, as `tokens`)."""
+    cfg, step = run.cfg, run.step
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(cfg, step)
+    indices = batch_indices(len(run.examples), step, cfg.batch_size, cfg.seed)[run.rank::run.world]
+    if run.streamed is not None:  # this step's batch waits on the server; the next steps' are fetched meanwhile
+        for ahead in range(step + 1, min(step + 1 + PREFETCH_STEPS, cfg.max_steps)):
+            run.streamed.prefetch(ahead, batch_indices(len(run.examples), ahead, cfg.batch_size,
+                                                       cfg.seed)[run.rank::run.world])
+        items = run.streamed.batch(step, indices)
+    else:
+        items = [run.examples[i] for i in indices]
+    batch = {k: v.to(run.device) for k, v in collate(items, cfg.max_length).items()}
+    aux, target_logits = target_features(run.target, batch, run.aux_ids, run.last_hidden_post_norm)
+    with cfg.autocast(run.device):
+        result = run.loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
+                             cfg.loss_decay, LossKind(cfg.loss, cfg.lk_lambda_scale, cfg.lk_lambda_decay))
+    counts = torch.stack(result.counts).detach()
+    if run.world > 1:
+        dist.all_reduce(counts)
+    loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    # each rank's loss is its share of the global loss: summed gradients are the global gradient (under FSDP the
+    # backward pass has already reduce-scattered them, summed, into each rank's shard)
+    if run.world > 1 and not run.fsdp:
+        for p in run.params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip).item()
+    run.optimizer.step()
+    run.step += 1
+    stats = torch.stack([torch.stack(result.loss_sums).detach(), torch.stack(result.correct)])
+    if run.world > 1:
+        dist.all_reduce(stats)
+    per_step_loss = (stats[0] / counts.clamp(min=1)).tolist()
+    return {"step": run.step, "loss": round(sum(cfg.loss_decay ** k * x for k, x in enumerate(per_step_loss)), 5),
+            "lr": lr_at(cfg, step), "grad_norm": round(grad_norm, 4),
+            "loss_per_step": [round(x, 5) for x in per_step_loss],
+            "acc_per_step": [round(x, 5) for x in (stats[1] / counts.clamp(min=1)).tolist()],
+            "tokens": int(batch["loss_mask"].numel())}
+
+
+def _log(run: Run, record: dict, bar: tqdm) -> None:
+    with open(run.log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if run.step % run.cfg.log_every == 0 or "eval_acceptance_length" in record:
+        postfix = {"loss": record["loss"], "acc0": record["acc_per_step"][0]}
+        if "eval_acceptance_length" in record:
+            postfix["AL"] = record["eval_acceptance_length"]
+        bar.set_postfix(postfix)
+
+
+def _save(run: Run) -> None:
+    if run.fsdp:  # gathering the shards takes every rank
+        save_sharded_checkpoint(run.out, run.draft, run.optimizer, run.step, run.cfg, run.names, run.rank)
+    elif run.rank == 0:
+        save_checkpoint(run.out, run.draft, run.optimizer.state_dict(), run.step, run.cfg)
 
 
 def _examples_for_vocab(examples):
@@ -669,6 +750,8 @@ def save_sharded_checkpoint(out: Path, draft: Eagle3Draft, optimizer: torch.opti
     size, and OUT/draft is the whole draft."""
     from torch.distributed.checkpoint import state_dict as dcp
 
+    from eyas.weights import assign_weights
+
     whole = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, the others none
     model_state = dcp.get_model_state_dict(draft, options=whole)
     optimizer_state = dcp.get_optimizer_state_dict(draft, optimizer, options=whole)
@@ -679,8 +762,7 @@ def save_sharded_checkpoint(out: Path, draft: Eagle3Draft, optimizer: torch.opti
     with torch.device("meta"):
         plain = Eagle3Draft(draft.config, draft.embed_tokens)
     own = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens")}
-    missing = plain.load_state_dict(own, strict=False, assign=True).missing_keys
-    assert all(k.startswith("embed_tokens") for k in missing), missing
+    assign_weights(plain, own, "the gathered draft", "cpu", shared={"embed_tokens.weight"})
     save_checkpoint(out, plain, _renumber(optimizer_state, {name: i for i, name in enumerate(names)}), step, cfg)
 
 
