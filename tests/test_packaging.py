@@ -33,8 +33,19 @@ def test_the_defaults_are_bundled_files_the_wheel_ships():
 
 def test_a_missing_bundled_example_says_to_pass_the_model(monkeypatch, tmp_path):
     gone = tmp_path / "tiny-deepseek-v3"
-    monkeypatch.setattr(paths, "BUNDLED", {gone: "--model"})
+    monkeypatch.setattr(paths, "BUNDLED", {gone: "a target checkpoint (--model DIR)"})
     hint = paths.missing_hint(f"{gone}: no such checkpoint directory")
-    assert hint is not None and "pass --model" in hint
+    assert hint is not None and hint.endswith("give a target checkpoint (--model DIR)")
     assert paths.missing_hint("some/other/model: no such checkpoint directory") is None
     assert paths.missing_hint(f"{paths.DEFAULT_MODEL}: shape mismatch") is None  # it exists here
+
+
+def test_the_command_line_says_what_to_give(monkeypatch, tmp_path, capsys):
+    from eyas.cli import main
+
+    gone = tmp_path / "tiny-deepseek-v3"
+    monkeypatch.setattr(paths, "BUNDLED", {gone: "a target checkpoint (--model DIR)"})
+    assert main(["generate", "--model", str(gone)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"eyas generate: error: {gone}: no such checkpoint directory"
+    assert err[1].startswith("eyas generate: the bundled examples are not installed") and "--model DIR" in err[1]

@@ -28,7 +28,9 @@ DEFAULT_MODEL = EXAMPLES / "tiny-deepseek-v3"
 DEFAULT_DRAFT = EXAMPLES / "tiny-deepseek-v3-eagle3-mla"  # its trained EAGLE-3 MLA draft
 DEFAULT_DATA = EXAMPLES / "data" / "conversations.jsonl"  # a first draft's training data, for it
 DEFAULT_EVAL_PROMPTS = EXAMPLES / "prompts" / "eval.jsonl"  # held-out prompts, for it
-BUNDLED = {DEFAULT_MODEL: "--model", DEFAULT_DRAFT: "--draft-model", DEFAULT_DATA: "--data",
+# each with what replaces it on the command line
+BUNDLED = {DEFAULT_MODEL: "a target checkpoint (--model DIR; --target DIR for train, export and quantize-draft)",
+           DEFAULT_DRAFT: "a draft (--draft-model DIR)", DEFAULT_DATA: "training data (--data FILE)",
            DEFAULT_EVAL_PROMPTS: "a prompts file"}
 
 
@@ -39,4 +41,4 @@ def missing_hint(message: str) -> str | None:
         return None
     wanted = ", ".join(dict.fromkeys(what for _, what in missing))
     return (f"the bundled examples are not installed with this eyas (looked in {', '.join(map(str, CANDIDATES))}); "
-            f"pass {wanted} explicitly, e.g. --model /path/to/a/DeepSeek-V3-checkpoint")
+            f"give {wanted}")
