@@ -16,6 +16,7 @@ reads:
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def read_eval_prompts(path: str | Path) -> list[dict]:
     for lineno, record in iter_records(path):
         turns, prompt = record.get("turns") or None, record.get("prompt")
         if turns is not None and not (isinstance(turns, list) and all(isinstance(t, str) for t in turns)):
-            raise DataError(f"{path}:{lineno}: key 'turns' must be a list of strings, got {turns!r}")
+            raise DataError(f"{path}:{lineno}: key 'turns' must be a list of strings, got {reprlib.repr(turns)}")
         if turns is None and not isinstance(prompt, str):
             raise DataError(f"{path}:{lineno}: expected {{\"category\": ..., \"turns\": [strings]}} or "
                             f"{{\"category\": ..., \"prompt\": string}}; found keys {sorted(record)}")

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -452,7 +453,7 @@ def _prepare_out(run: Run) -> None:
 
 # -- the loop -------------------------------------------------------------------------------------------------------
 
-def train_loop(run: Run, on_step=None) -> dict:
+def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Train from `run.step` to max_steps (or a Ctrl-C); returns the last log record. Each step: the learning rate,
     the batch, the target's features, the TTT loss, backward, clip, step; then log, evaluate and save as due."""
     cfg = run.cfg
