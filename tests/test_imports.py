@@ -3,7 +3,7 @@
 Two graphs, read from the source with `ast` (nothing is imported but the packages): the module-level imports (what
 runs when a module is first imported, `if TYPE_CHECKING:` blocks included: a reader and a type checker follow them
 too), which must have no cycle at all; and every import, those deferred into functions too, where a cycle is a
-layering problem even when Python never trips on it: none is allowed but a TRANSITIONAL one.
+layering problem even when Python never trips on it: none is allowed.
 """
 
 from __future__ import annotations
@@ -13,13 +13,6 @@ import pkgutil
 from pathlib import Path
 
 import eyas
-
-# a cycle kept only while another module still imports a name from where it used to live, each with the file and
-# the line that needs it: the test says when the cycle (and the shim behind it) can go
-TRANSITIONAL = {
-    frozenset({"eyas.checkpoint", "eyas.models.eagle3"}):
-        ("src/eyas/engine/llm.py", "from eyas.models.eagle3 import load_draft"),
-}
 
 
 def eyas_modules() -> dict[str, Path]:
@@ -149,10 +142,4 @@ def test_no_module_level_import_cycle():
 
 def test_no_import_cycle_counting_deferred_imports():
     found = cycles(import_graph(deferred=True))
-    new = [describe(c) for members, c in found.items() if members not in TRANSITIONAL]
-    assert not new, "import cycles (deferred imports included): " + "; ".join(new)
-    root = Path(eyas.__file__).parents[2]
-    for members, (file, line) in TRANSITIONAL.items():
-        if line not in (root / file).read_text():
-            raise AssertionError(f"{file} no longer has `{line}`: remove the shim that keeps the cycle "
-                                 f"{sorted(members)} and its entry in TRANSITIONAL")
+    assert not found, "import cycles (deferred imports included): " + "; ".join(describe(c) for c in found.values())

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eyas.checkpoint import load_model
+from eyas.checkpoint import load_draft, load_model
 from eyas.config import SpeculativeConfig
 from eyas.engine.chat import encode_chat
 from eyas.engine.grammar import GrammarCache
@@ -26,13 +26,9 @@ from eyas.engine.scheduler import Scheduler
 from eyas.engine.sequence import Sequence
 from eyas.engine.stop import StopChecker
 from eyas.models.layers import pack_for_inference
+from eyas.paths import DEFAULT_MODEL
 from eyas.sampling_params import SamplingParams
 from eyas.threads import configure_threads
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "examples" / "tiny-deepseek-v3"
-DEFAULT_DRAFT = DEFAULT_MODEL.parent / "tiny-deepseek-v3-eagle3-mla"  # its trained EAGLE-3 MLA draft
-DEFAULT_DATA = DEFAULT_MODEL.parent / "data" / "conversations.jsonl"  # a first draft's training data, for it
-DEFAULT_EVAL_PROMPTS = DEFAULT_MODEL.parent / "prompts" / "eval.jsonl"  # held-out prompts, for it
 
 
 @dataclass(slots=True)
@@ -250,8 +246,6 @@ def load_draft_for(config: SpeculativeConfig, target):
         from eyas.models.mtp import MTPDraft
 
         return MTPDraft(target)
-    from eyas.models.eagle3 import load_draft
-
     return load_draft(config.draft_model, target, aux_convention=config.aux_layer_convention,
                       allow_unused_weights=config.allow_unused_draft_weights)
 

@@ -484,11 +484,3 @@ def speculators_to_hf(raw: dict, source: str) -> dict:
         flat["norm_before_residual"] = True
     flat["architectures"] = [SPECULATORS_ARCHITECTURE]
     return flat
-
-
-def load_draft(*args, **kwargs) -> Eagle3Draft:
-    """`eyas.checkpoint.load_draft`, under the name eyas/engine/llm.py still imports it by; goes once that file
-    imports it from eyas.checkpoint (tests/test_imports.py says when)."""
-    from eyas.checkpoint import load_draft
-
-    return load_draft(*args, **kwargs)
