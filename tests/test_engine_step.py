@@ -150,3 +150,20 @@ def test_invariants_hold_through_preemption_pauses_and_drafting(tmp_path):
     plain = LLM(tmp_path).generate(prompts, params)
     assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]
     assert llm.allocator.num_used == 0
+
+
+def test_both_draft_kinds_are_draft_heads(tmp_path):
+    from test_checkpoint import add_mtp_weights
+    from test_eagle3 import mla_config, mla_weights, write_draft
+    from tiny import YARN, make_hf_checkpoint
+
+    from eyas import LLM
+    from eyas.engine.proposer import DraftHead
+
+    make_hf_checkpoint(tmp_path / "target", rope_parameters=YARN)
+    add_mtp_weights(tmp_path / "target")
+    mtp = LLM(tmp_path / "target", speculative_method="mtp").draft
+    eagle = LLM(tmp_path / "target", speculative_method="eagle",
+                draft_model=write_draft(tmp_path / "mla", mla_config(), mla_weights())).draft
+    assert isinstance(mtp, DraftHead) and isinstance(eagle, DraftHead)
+    assert not isinstance(torch.nn.Linear(2, 2), DraftHead)

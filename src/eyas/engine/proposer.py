@@ -19,7 +19,7 @@ over the tokens its grammar allows; its matcher is advanced while drafting and r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +31,7 @@ from eyas.engine.sequence import Sequence
 from eyas.models.attention import AttentionMetadata
 
 
+@runtime_checkable
 class DraftHead(Protocol):
     """What the engine needs of a draft; `Eagle3Draft` and `MTPDraft` implement it."""
 
