@@ -1,7 +1,8 @@
 """eyas's EAGLE-3 draft trainer against NVIDIA Model Optimizer's, on the same target, data, batches and schedule.
 
 Runs, in one invocation and one after another (same thread count for all):
-  (a) `eyas train` with --draft-arch mha (the counterpart of Model Optimizer's llama-type draft) and mla;
+  (a) `eyas train` with --draft-arch mha (the counterpart of Model Optimizer's llama-type draft) and mla, with the
+      plain recipe (forward KL) and every --recipe (an LK loss, the EAGLE-3.1 norms, ...);
   (b) Model Optimizer's EAGLE-3 trainer (benchmarks/modelopt_train.py) with the Model Optimizer virtualenv's python;
   (c) `eyas eval` of every draft on the held-out prompts (K = 3, greedy), Model Optimizer's export loaded as is;
 then prints a table: trainer, draft arch, training tokens/s, acceptance length (AL) overall and per category, and
@@ -43,6 +44,7 @@ import io
 import json
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -82,6 +84,10 @@ def parse_args() -> argparse.Namespace:
                    "target's rows; Model Optimizer: draft_vocab_size + d2t, its own freshly initialised head). "
                    "0 (default): the target's whole vocabulary (Model Optimizer then reuses the target's frozen "
                    "lm_head; eyas trains a copy of it)")
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME=FLAGS",
+                   help="an eyas training recipe to compare besides the plain one (forward KL, EAGLE-3 norms): a name "
+                        "and the `eyas train` flags it adds, e.g. lk-alpha='--loss lk-alpha' or "
+                        "eagle31='--norm-before-fc --norm-output'; repeatable, each trained for every --archs")
     p.add_argument("--measure-after", type=int, default=5, help="warm-up steps left out of tokens/s")
     p.add_argument("--extra-seeds", type=int, nargs="+", default=[], metavar="SEED",
                    help="also train and evaluate every trainer with these seeds (draft init and batch order), for "
@@ -206,13 +212,20 @@ def main() -> int:
             work / "calibrate-vocab.log", env)
     vocab_args = ["--vocab-file", str(vocab)] if args.draft_vocab_size else []
 
-    def eyas_train(out: Path, arch: str, steps: int, seed: int = 0) -> list[str]:
+    recipes = {"": []}  # the plain recipe keeps the run names earlier reports (and --reuse) know
+    for spec in args.recipe:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in recipes:
+            raise SystemExit(f"--recipe {spec!r}: expected NAME=FLAGS with a new name")
+        recipes[name] = shlex.split(flags)
+
+    def eyas_train(out: Path, arch: str, steps: int, seed: int = 0, recipe: str = "") -> list[str]:
         precision = (["--target-dtype", "bfloat16", "--mixed-precision", "bf16"] if args.precision == "bf16" else
                      ["--target-dtype", "float32", "--mixed-precision", "no"])
         return ["eyas", "train", *precision, "--target", str(target), "--data", str(args.data), "--out", str(out),
                 "--draft-arch", arch, "--ttt-steps", str(args.ttt_steps), "--max-steps", str(steps), "--lr",
                 str(args.lr), "--warmup-steps", str(args.warmup_steps),
-                "--save-every", str(steps), "--seed", str(seed), *vocab_args, *common]
+                "--save-every", str(steps), "--seed", str(seed), *vocab_args, *common, *recipes[recipe]]
 
     def modelopt_train(out: Path, steps: int, seed: int = 0) -> list[str]:
         return [args.modelopt_python, str(REPO / "benchmarks" / "modelopt_train.py"), "--target", str(target),
@@ -232,17 +245,19 @@ def main() -> int:
 
     rows = []
 
-    # (a) eyas
-    for arch in args.archs:
-        out = work / f"eyas-{arch}"
-        if not (args.reuse and (out / "draft" / "model.safetensors").is_file()):
-            run(eyas_train(out, arch, args.steps), work / f"train-eyas-{arch}.log", env)
-        tps, tps_all = eyas_tokens_per_s(out / "train_log.jsonl", target, args.data, args.batch_size,
-                                         args.max_length, args.measure_after)
-        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
-        rows.append({"trainer": "eyas", "arch": arch, "draft": out / "draft", "tokens_per_s": tps,
-                     "tokens_per_s_all_steps": tps_all,
-                     "train_acc0_last20": mean_last([r["acc_per_step"][0] for r in log])})
+    # (a) eyas, every recipe
+    for recipe in recipes:
+        for arch in args.archs:
+            variant = f"{arch}-{recipe}" if recipe else arch
+            out = work / f"eyas-{variant}"
+            if not (args.reuse and (out / "draft" / "model.safetensors").is_file()):
+                run(eyas_train(out, arch, args.steps, recipe=recipe), work / f"train-eyas-{variant}.log", env)
+            tps, tps_all = eyas_tokens_per_s(out / "train_log.jsonl", target, args.data, args.batch_size,
+                                             args.max_length, args.measure_after)
+            log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
+            rows.append({"trainer": "eyas", "arch": variant, "base_arch": arch, "recipe": recipe or "kl",
+                         "draft": out / "draft", "tokens_per_s": tps, "tokens_per_s_all_steps": tps_all,
+                         "train_acc0_last20": mean_last([r["acc_per_step"][0] for r in log])})
 
     # (b) Model Optimizer
     out = work / "modelopt-mha"
@@ -254,13 +269,14 @@ def main() -> int:
         result_file.write_text(last + "\n")
     mo = json.loads(result_file.read_text())
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
-    rows.append({"trainer": "modelopt", "arch": "mha", "draft": out, "tokens_per_s": mo["tokens_per_s"],
+    rows.append({"trainer": "modelopt", "arch": "mha", "base_arch": "mha", "recipe": "modelopt", "draft": out,
+                 "tokens_per_s": mo["tokens_per_s"],
                  "tokens_per_s_all_steps": mo["tokens_per_s_all_steps"],
                  "train_acc0_last20": mean_last([r["acc_per_step"][0] for r in log]), "modelopt": mo})
 
     # (b') interleaved throughput-only rounds
     rounds: dict[str, list[float]] = {}
-    for k in range(args.throughput_rounds):
+    for k in range(args.throughput_rounds):  # the plain recipe's: the others cost the same per token
         for arch in args.archs:
             out = work / f"tp{k}-eyas-{arch}"
             run(eyas_train(out, arch, args.throughput_steps), work / f"tp{k}-eyas-{arch}.log", env)
@@ -287,7 +303,8 @@ def main() -> int:
             cpu = []
             for n in (n1, n2):
                 out = work / f"cpu{n}-{row['trainer']}-{row['arch']}"
-                cmd = eyas_train(out, row["arch"], n) if row["trainer"] == "eyas" else modelopt_train(out, n)
+                cmd = eyas_train(out, row["base_arch"], n, recipe=row["recipe"] if row["recipe"] != "kl" else "") \
+                    if row["trainer"] == "eyas" else modelopt_train(out, n)
                 cpu.append(run_cpu(cmd, work / f"cpu{n}-{row['trainer']}-{row['arch']}.log", env))
             row["tokens_per_cpu_s"] = dtok / (cpu[1] - cpu[0])
             row["cpu_seconds"] = {n1: round(cpu[0], 1), n2: round(cpu[1], 1)}
@@ -296,32 +313,45 @@ def main() -> int:
     for row in rows:
         r = evaluate(row["draft"], f"{row['trainer']}-{row['arch']}")
         row["al"] = r["overall"]["acceptance_length"]
+        # loops inflate AL: the AL over the outputs that are not repetitive, and how many are
+        row["al_non_repetitive"] = r["overall"].get("acceptance_length_non_repetitive")
+        row["repetitive_share"] = r["overall"].get("repetitive_share")
         row["al_categories"] = {c: v["acceptance_length"] for c, v in r["categories"].items()}
         row["accepted_per_position"] = r["overall"]["accepted_per_position"]
 
     # (c') acceptance over more seeds
     for row in rows:
         row["al_per_seed"] = {0: row["al"]}
+        row["al_non_repetitive_per_seed"] = {0: row["al_non_repetitive"]}
         for seed in args.extra_seeds:
             name = f"seed{seed}-{row['trainer']}-{row['arch']}"
             out = work / name
             eyas = row["trainer"] == "eyas"
             draft = out / "draft" if eyas else out
             if not (args.reuse and (draft / "model.safetensors").is_file()):
-                cmd = eyas_train(out, row["arch"], args.steps, seed) if eyas else modelopt_train(out, args.steps, seed)
+                recipe = row["recipe"] if row["recipe"] != "kl" else ""
+                cmd = eyas_train(out, row["base_arch"], args.steps, seed, recipe) if eyas else \
+                    modelopt_train(out, args.steps, seed)
                 run(cmd, work / f"train-{name}.log", env)
-            row["al_per_seed"][seed] = evaluate(draft, name)["overall"]["acceptance_length"]
+            overall = evaluate(draft, name)["overall"]
+            row["al_per_seed"][seed] = overall["acceptance_length"]
+            row["al_non_repetitive_per_seed"][seed] = overall.get("acceptance_length_non_repetitive")
         row["al_mean"] = sum(row["al_per_seed"].values()) / len(row["al_per_seed"])
+        spread = list(row["al_per_seed"].values())
+        row["al_spread"] = max(spread) - min(spread)
 
     # table
     categories = sorted({c for row in rows for c in row["al_categories"]})
     head = ["trainer", "draft", "train tok/s" + (" (median of rounds)" if rounds else ""), "main-run tok/s",
-            *(["train tok/CPU-s"] if args.cpu_time_steps else []), "AL overall", *[f"AL {c}" for c in categories],
+            *(["train tok/CPU-s"] if args.cpu_time_steps else []), "AL overall", "AL non-repetitive",
+            "repetitive outputs", *[f"AL {c}" for c in categories],
             "accept@1..K", "train acc0 (last 20)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["trainer"], row["arch"], f"{row['tokens_per_s']:.0f}", f"{row['tokens_per_s_main_run']:.0f}",
                  *([f"{row['tokens_per_cpu_s']:.0f}"] if args.cpu_time_steps else []), f"{row['al']:.3f}",
+                 f"{row['al_non_repetitive']:.3f}" if row["al_non_repetitive"] is not None else "-",
+                 f"{row['repetitive_share']:.2f}" if row["repetitive_share"] is not None else "-",
                  *[f"{row['al_categories'].get(c, float('nan')):.3f}" for c in categories],
                  " / ".join(f"{x:.2f}" for x in row["accepted_per_position"]), f"{row['train_acc0_last20']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -330,7 +360,7 @@ def main() -> int:
     for row in rows[:-1]:
         speed = row["tokens_per_s"] / ref["tokens_per_s"]
         if rounds:  # the median of same-round ratios: each round's runs ran back to back
-            per_round = sorted(a / b for a, b in zip(rounds[f"eyas-{row['arch']}"], rounds["modelopt-mha"]))
+            per_round = sorted(a / b for a, b in zip(rounds[f"eyas-{row['base_arch']}"], rounds["modelopt-mha"]))
             speed = per_round[len(per_round) // 2]
         ratios.append(f"eyas {row['arch']} / Model Optimizer: tokens/s x{speed:.2f}, "
                       + (f"tokens/CPU-s x{row['tokens_per_cpu_s'] / ref['tokens_per_cpu_s']:.2f}, "
@@ -338,6 +368,7 @@ def main() -> int:
                       + f"AL x{row['al'] / ref['al']:.3f} ({row['al']:.3f} vs {ref['al']:.3f})"
                       + (f"; AL over seeds {', '.join(map(str, row['al_per_seed']))}: mean x"
                          f"{row['al_mean'] / ref['al_mean']:.3f} ({row['al_mean']:.3f} vs {ref['al_mean']:.3f}; "
+                         f"spread {row['al_spread']:.3f} vs {ref['al_spread']:.3f}; "
                          f"per seed {' / '.join(f'{a:.3f}' for a in row['al_per_seed'].values())} vs "
                          f"{' / '.join(f'{a:.3f}' for a in ref['al_per_seed'].values())})"
                          if args.extra_seeds else ""))
