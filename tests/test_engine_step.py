@@ -167,3 +167,57 @@ def test_both_draft_kinds_are_draft_heads(tmp_path):
                 draft_model=write_draft(tmp_path / "mla", mla_config(), mla_weights())).draft
     assert isinstance(mtp, DraftHead) and isinstance(eagle, DraftHead)
     assert not isinstance(torch.nn.Linear(2, 2), DraftHead)
+
+
+def test_a_sequence_that_outgrows_the_whole_cache_finishes_instead_of_looping(tmp_path):
+    """Alone in a 48-slot cache, a request for more tokens than fit ends with "length" once the cache is full,
+    whatever the chunk size; before, with small chunks, it preempted itself and recomputed forever."""
+    from tiny import make_hf_checkpoint
+
+    from eyas import LLM
+
+    make_hf_checkpoint(tmp_path)
+    for chunk in (8, 64):
+        llm = LLM(tmp_path, max_num_seqs=2, block_size=4, num_blocks=12, max_num_batched_tokens=chunk)
+        seq = llm.add_request(list(range(10, 29)), SamplingParams(temperature=0, max_tokens=39, ignore_eos=True))
+        finished = []
+        for _ in range(100):
+            if not llm.scheduler.has_work():
+                break
+            finished += llm.step()
+        assert finished == [seq] and seq.finish_reason == "length" and len(seq) == 48 + 1
+        assert llm.scheduler.num_preemptions == 0 and llm.allocator.num_used == 0
+
+
+def test_a_long_pause_keeps_at_most_max_pending_rows(tmp_path, monkeypatch):
+    """Drafting off for the whole run (3 running, disable_batch_size 3): each sequence keeps its draft inputs as
+    copies of its own rows, and once one would hold more than MAX_PENDING_ROWS, step 0 runs them (no drafts), so a
+    pause holds bounded memory. Output is plain greedy's."""
+    from test_checkpoint import add_mtp_weights
+    from tiny import YARN, make_hf_checkpoint
+
+    from eyas import LLM
+    from eyas.config import SpeculativeConfig
+    from eyas.engine import proposer
+
+    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 8)
+    make_hf_checkpoint(tmp_path, rope_parameters=YARN)
+    add_mtp_weights(tmp_path)
+    llm = LLM(tmp_path, speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=3,
+                                                                disable_batch_size=3))
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seqs = [llm.add_request(p, params) for p in prompts]
+    caught_up = 0
+    while llm.scheduler.has_work():
+        llm.step()
+        for seq in seqs:
+            check_invariants(seq, llm.allocator.block_size)
+            rows = sum(t.shape[0] for t in seq.pending_draft_inputs)
+            assert rows <= 8
+            for t in seq.pending_draft_inputs:  # its own rows only, not a view of the step's
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            caught_up += seq.num_draft_computed > 0 and not seq.draft_tokens and not seq.is_finished
+    assert caught_up > 0 and all(s.num_drafted == 0 for s in seqs)
+    plain = LLM(tmp_path).generate(prompts, params)
+    assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]

@@ -71,7 +71,8 @@ def batch(arrays: dict, step: int, seed: int, batch_size: int, seq_len: int, cha
             # full loss on chat text too, with assistant turns weighted up: they are what chat users see
             mask[b] = 1.0 + chat_mask[start:start + seq_len + 1]
         else:
-            data = arrays["packages_train" if rng.random() < package_fraction else "train"]
+            # no draw at fraction 0: runs without the packages see the batches they always saw
+            data = arrays["packages_train" if package_fraction and rng.random() < package_fraction else "train"]
             start = int(rng.integers(0, len(data) - seq_len - 1))
             tokens[b] = data[start:start + seq_len + 1]
     return torch.from_numpy(tokens), torch.from_numpy(mask)

@@ -163,7 +163,10 @@ class LLM:
         """One engine step; returns the sequences it finished."""
         batch = self.scheduler.schedule()
         if not batch:
-            raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
+            finished = self.scheduler.take_finished()
+            if not finished:
+                raise RuntimeError("no sequence could be scheduled (KV cache too small for the waiting requests)")
+            return finished
         output = self.runner.run(batch)
         return self.scheduler.commit(batch, output)
 

@@ -70,7 +70,7 @@ class ModelRunner:
         output = StepOutput(verified.new_tokens, num_computed, proposal.draft_tokens, proposal.num_draft_computed,
                             proposal.pending_draft_inputs, verified.logprobs, num_verified, verified.num_accepted)
         if proposer is not None:
-            proposer.observe(batch, num_verified, verified.num_accepted, time.perf_counter() - start, proposal)
+            proposer.observe(batch, width, num_verified, verified.num_accepted, time.perf_counter() - start, proposal)
         return output
 
     def forward(self, batch: ScheduledBatch, aux_hidden_state_ids: tuple[int, ...] = ()

@@ -30,6 +30,10 @@ from eyas.engine.grammar import apply_bitmask
 from eyas.engine.sequence import Sequence
 from eyas.models.attention import AttentionMetadata
 
+# a sequence's draft inputs kept while drafting is off, at most; then step 0 runs them (the draft cache stays full):
+# at DeepSeek-V3's hidden size, 7 MB per sequence in bfloat16
+MAX_PENDING_ROWS = 512
+
 
 @runtime_checkable
 class DraftHead(Protocol):
@@ -89,16 +93,17 @@ class Proposer:
             width = min(width, self.config.num_speculative_tokens_mixed_batch)
         return width
 
-    def observe(self, batch: ScheduledBatch, num_verified: list[int], num_accepted: list[int], seconds: float,
-                proposal: Proposal) -> None:
-        """A step took `seconds`: the adaptive width learns from it when every sequence decoded at one width (each
-        computed its committed token and its drafts; a step with prompt chunks costs what its prompts cost, and
-        one that caught up after a pause what the pause left)."""
+    def observe(self, batch: ScheduledBatch, width: int, num_verified: list[int], num_accepted: list[int],
+                seconds: float, proposal: Proposal) -> None:
+        """A step took `seconds`: the adaptive width learns from it when every sequence decoded at one width, the
+        width it also proposed at (each computed its committed token and its drafts; a step with prompt chunks costs
+        what its prompts cost, one that changes width pays for two, and one that caught up after a pause for what
+        the pause left)."""
         if self.adaptive is None or self.config.width_override(batch.num_running) is not None or proposal.caught_up:
             return
-        if len(set(num_verified)) != 1 or any(n != 1 + d for n, d in zip(batch.num_new_tokens, num_verified)):
+        if set(num_verified) != {width} or any(n != 1 + d for n, d in zip(batch.num_new_tokens, num_verified)):
             return
-        self.adaptive.observe(batch.num_running, num_verified[0], seconds, list(zip(num_verified, num_accepted)))
+        self.adaptive.observe(batch.num_running, width, seconds, list(zip(num_verified, num_accepted)))
 
     def propose(self, batch: ScheduledBatch, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
                 new_tokens: list[list[int]], num_accepted: list[int], width: int) -> Proposal:
@@ -108,10 +113,15 @@ class Proposer:
         fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
         per_seq = list(fused.split([len(k) for k in kept]))
         num_computed = [s.num_computed + len(k) for s, k in zip(seqs, kept)]
-        if width == 0:  # no draft work; keep what step 0 needs for when drafting resumes
-            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs], per_seq, False)
+        pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + len(k) for s, k in zip(seqs, kept)]
+        if width == 0 and max(pending) <= MAX_PENDING_ROWS:
+            # no draft work; keep what step 0 needs for when drafting resumes (copies: a view would keep the
+            # whole step's rows alive)
+            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
+                            [x.clone() for x in per_seq], False)
 
-        # step 0 over each sequence's positions num_draft_computed..num_computed - 1
+        # step 0 over each sequence's positions num_draft_computed..num_computed - 1 (at width 0 too, once a pause
+        # has kept MAX_PENDING_ROWS inputs of one sequence: the memory a pause holds stays bounded)
         inputs, next_tokens, lens = [], [], []
         for seq, new, x, end in zip(seqs, new_tokens, per_seq, num_computed):
             inputs.extend(seq.pending_draft_inputs)

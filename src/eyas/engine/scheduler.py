@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.metrics = SpeculativeMetrics()
+        self.finished_early: list[Sequence] = []  # finished by schedule (out of cache), reported by the next commit
 
     def add(self, seq: Sequence) -> None:
         if self.allocator.blocks_for(len(seq) + 1) > self.allocator.num_blocks:
@@ -73,6 +74,14 @@ class Scheduler:
             # the last committed token(s) plus the drafts proposed for them
             n = len(seq) - seq.num_computed + len(seq.draft_tokens)
             while not self.allocator.can_grow(seq.block_table, seq.num_computed + n):
+                if self.running == [seq]:  # alone, and the whole cache is too small: nothing to preempt
+                    if seq.draft_tokens:  # drafts are optional
+                        seq.draft_tokens = []
+                        n = len(seq) - seq.num_computed
+                        continue
+                    self.finish(seq, "length")  # preempting itself would recompute it into the same wall
+                    self.finished_early.append(seq)
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -111,8 +120,8 @@ class Scheduler:
         return batch
 
     def commit(self, batch: ScheduledBatch, output: StepOutput) -> list[Sequence]:
-        """Apply a step's output to its sequences; return those that finished."""
-        finished = []
+        """Apply a step's output to its sequences; return those that finished (and any schedule finished)."""
+        finished = self.take_finished()
         for i, seq in enumerate(batch.seqs):
             seq.num_computed = output.num_computed[i]
             seq.num_draft_computed = output.num_draft_computed[i]
@@ -140,6 +149,10 @@ class Scheduler:
                     break
             if not seq.is_finished:
                 self.allocator.shrink(seq.block_table, max(len(seq) + len(seq.draft_tokens), seq.num_computed))
+        return finished
+
+    def take_finished(self) -> list[Sequence]:
+        finished, self.finished_early = self.finished_early, []
         return finished
 
     def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
