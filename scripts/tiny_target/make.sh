@@ -6,7 +6,10 @@
 #
 #   bash scripts/tiny_target/make.sh        # rerun after an interruption: every stage resumes or is skipped
 #
-# The trained model lands in $OUT (work/tiny_target/model); reports in work/tiny_target/eval-*.json.
+# The trained model lands in $OUT (work/tiny_target/model); reports in work/tiny_target/eval-*.json. Its result is
+# committed as scripts/tiny_target/stage2-model (report: examples/reports/tiny-target-stage2.json): the point a
+# further stage starts from on a machine without work/ (train.py --init-from scripts/tiny_target/stage2-model).
+# It replaces examples/tiny-deepseek-v3 only together with drafts trained on it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=work/tiny_target
