@@ -65,7 +65,8 @@ class ModelRunner:
         if proposer is None:
             proposal = Proposal([[] for _ in seqs], num_computed, [None] * len(seqs), False)
         else:
-            proposal = proposer.propose(batch, layout, hidden, aux, verified.new_tokens, verified.num_accepted, width)
+            proposal = proposer.propose(batch, layout, hidden, aux, verified.new_tokens, verified.num_accepted,
+                                        num_computed, width)
         # 6. pack
         output = StepOutput(verified.new_tokens, num_computed, proposal.draft_tokens, proposal.num_draft_computed,
                             proposal.pending_draft_inputs, verified.logprobs, num_verified, verified.num_accepted)

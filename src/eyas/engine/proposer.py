@@ -106,13 +106,14 @@ class Proposer:
         self.adaptive.observe(batch.num_running, width, seconds, list(zip(num_verified, num_accepted)))
 
     def propose(self, batch: ScheduledBatch, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
-                new_tokens: list[list[int]], num_accepted: list[int], width: int) -> Proposal:
+                new_tokens: list[list[int]], num_accepted: list[int], num_computed: list[int],
+                width: int) -> Proposal:
+        """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
         kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
         rows = [r for k in kept for r in k]
         fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
         per_seq = list(fused.split([len(k) for k in kept]))
-        num_computed = [s.num_computed + len(k) for s, k in zip(seqs, kept)]
         pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + len(k) for s, k in zip(seqs, kept)]
         if width == 0 and max(pending) <= MAX_PENDING_ROWS:
             # no draft work; keep what step 0 needs for when drafting resumes (copies: a view would keep the
