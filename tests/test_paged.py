@@ -241,3 +241,136 @@ def test_paged_mha_attention_with_groups():
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="keys start"):
         AttentionMetadata.build([2], [5], [[0, 1]], block_size, kv_starts=[4])
+
+
+def test_lanes_keep_each_context_one_contiguous_run():
+    """With lanes, a new table starts a whole free lane and grows along it; past its lane, or with no whole lane
+    free, it takes free blocks from the top of the cache down; every block stays usable by every table."""
+    alloc = BlockAllocator(num_blocks=10, block_size=4, num_lanes=3)  # lanes of 3 blocks: 0-2, 3-5, 6-8; 9 spare
+    assert (alloc.num_lanes, alloc.lane_blocks) == (3, 3)
+    a, b = [], []
+    alloc.grow(a, 5)
+    alloc.grow(b, 1)
+    assert a == [0, 1] and b == [3]
+    alloc.grow(a, 16)  # its lane ends at block 2: then the highest free block
+    assert a == [0, 1, 2, 9]
+    c = []
+    alloc.grow(c, 12)
+    assert c == [6, 7, 8]  # lane 2 was still whole
+    d = []
+    alloc.grow(d, 4)  # no whole lane free
+    assert d == [5] and alloc.num_free == 1
+    alloc.grow(b, 8)  # block 4 is free and next along b's lane
+    assert b == [3, 4] and alloc.num_free == 0
+    alloc.free(a)
+    alloc.free(c)
+    e = []
+    alloc.grow(e, 4)
+    assert e == [0] and alloc.num_free == 6
+
+
+@pytest.mark.parametrize("num_lanes", [0, 3, 8])
+def test_the_allocator_never_hands_out_a_block_twice(num_lanes):
+    import random
+
+    rng = random.Random(num_lanes)
+    alloc = BlockAllocator(num_blocks=40, block_size=4, num_lanes=num_lanes)
+    tables = [[] for _ in range(8)]
+    for _ in range(3000):
+        t = rng.choice(tables)
+        op = rng.random()
+        if op < 0.5:
+            want = len(t) * 4 + rng.randint(1, 12)
+            if alloc.can_grow(t, want):
+                alloc.grow(t, want)
+        elif op < 0.8:
+            alloc.shrink(t, rng.randint(0, len(t) * 4))
+        else:
+            alloc.free(t)
+        held = [block for table in tables for block in table]
+        assert len(held) == len(set(held)) and alloc.num_used == len(held)
+        assert all(0 <= block < 40 for block in held)
+
+
+def test_lane_views_compute_what_gathering_computes():
+    """Attention over tables from a churned lane allocator: read in place (lanes, runs) it equals the gathered
+    path, for the latent (MLA) and the per-head (MHA) cache, with both paths exercised."""
+    import random
+
+    from eyas.models.attention import paged_attention, paged_latent_attention
+
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    in_place = gathered = 0
+    for _ in range(300):
+        block_size = rng.choice([4, 16])
+        alloc = BlockAllocator(rng.randint(8, 80), block_size, num_lanes=rng.choice([2, 4, 8]))
+        live = []
+        for _ in range(rng.randint(1, 12)):
+            if live and rng.random() < 0.3:
+                alloc.free(live.pop(rng.randrange(len(live))))
+            table, want = [], rng.randint(1, 60)
+            if not alloc.can_grow(table, want):
+                break
+            alloc.grow(table, want)
+            live.append(table)
+        if not live:
+            continue
+        seq_lens = [rng.randint(1, len(t) * block_size) for t in live]
+        q_lens = [min(s, rng.choice([1, 1, 2, 4, rng.randint(1, 30)])) for s in seq_lens]
+        lanes = AttentionMetadata.build(q_lens, seq_lens, live, block_size, lanes=(alloc.num_lanes, alloc.lane_blocks))
+        gather = AttentionMetadata.build(q_lens, seq_lens, live, block_size)
+        in_place += sum(g.kv_view is not None for g in lanes.groups if g.query_rows.shape[0] > 1)
+        gathered += sum(g.kv_view is None for g in lanes.groups)
+        assert torch.equal(lanes.slot_mapping, gather.slot_mapping)
+        latent = torch.randn(alloc.num_blocks * block_size, 24)
+        q = torch.randn(sum(q_lens), 3, 24)
+        torch.testing.assert_close(paged_latent_attention(q, latent, lanes, 16, 0.3),
+                                   paged_latent_attention(q, latent, gather, 16, 0.3), rtol=1e-5, atol=1e-5)
+        kv = torch.randn(alloc.num_blocks * block_size, 2, 2, 8)
+        q = torch.randn(sum(q_lens), 4, 8)
+        torch.testing.assert_close(paged_attention(q, kv, lanes, 0.3), paged_attention(q, kv, gather, 0.3),
+                                   rtol=1e-5, atol=1e-5)
+    assert in_place > 30 and gathered > 30, (in_place, gathered)
+
+
+def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):
+    """Greedy output through the engine (batched, chunked prefill, MTP drafts) is identical with the allocator's
+    lanes and without, and with lanes the batched decode steps read the cache in place."""
+    from test_checkpoint import add_mtp_weights
+
+    import eyas.engine.llm as engine_llm
+    from eyas import LLM, SamplingParams
+
+    make_hf_checkpoint(tmp_path, rope_parameters=YARN)
+    add_mtp_weights(tmp_path)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (3, 30, 9, 17, 2, 25)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs, views = {}, []
+    build = AttentionMetadata.build
+
+    def spy(*args, **kwargs):
+        attn = build(*args, **kwargs)
+        views.extend(g.kv_view is not None for g in attn.groups if g.query_rows.shape[0] > 1)
+        return attn
+
+    for lanes in (True, False):
+        for method in (None, "mtp"):
+            allocator = engine_llm.BlockAllocator
+            if not lanes:
+                engine_llm.BlockAllocator = lambda n, size, num_lanes=0, plain=allocator: plain(n, size)
+            try:
+                llm = LLM(tmp_path, max_num_seqs=6, block_size=4, max_num_batched_tokens=24,
+                          speculative_method=method)
+            finally:
+                engine_llm.BlockAllocator = allocator
+            assert (llm.allocator.num_lanes > 0) == lanes
+            views.clear()
+            AttentionMetadata.build = spy
+            try:
+                outputs[lanes, method] = [o.token_ids for o in llm.generate(prompts, params)]
+            finally:
+                AttentionMetadata.build = build
+            assert any(views) == lanes
+    assert outputs[True, None] == outputs[False, None] == outputs[True, "mtp"] == outputs[False, "mtp"]

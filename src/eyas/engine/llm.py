@@ -91,7 +91,8 @@ class LLM:
         if num_blocks is None:
             num_blocks = default_num_blocks(config, self.model.lm_head.weight, max_num_seqs, self.max_model_len,
                                             block_size, kv_cache_memory_gb, speculative_config is not None)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        # one lane per running sequence: contexts stay contiguous, so batched attention reads them in place
+        self.allocator = BlockAllocator(num_blocks, block_size, num_lanes=max_num_seqs)
         eos_token_ids = set(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -102,7 +103,8 @@ class LLM:
             self.draft = load_draft_for(speculative_config, self.model)
             pack_for_inference(self.draft)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.draft, speculative_config,
-                                  self.max_model_len, think_token_ids(self.tokenizer))
+                                  self.max_model_len, think_token_ids(self.tokenizer),
+                                  (self.allocator.num_lanes, self.allocator.lane_blocks))
         # a sampling sequence commits up to K + 1 tokens and then gets up to K drafts
         lookahead = 1 + speculative_config.max_num_tokens if speculative_config is not None else 0
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,

@@ -30,20 +30,23 @@ from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int, block_size: int,
                  draft: DraftHead | None = None, speculative_config: SpeculativeConfig | None = None,
-                 max_model_len: int | None = None, think_token_ids: tuple[int, int] | None = None) -> None:
+                 max_model_len: int | None = None, think_token_ids: tuple[int, int] | None = None,
+                 lanes: tuple[int, int] = (0, 0)) -> None:
         self.model = model
         config = model.config
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.lanes = lanes  # the allocator's (number of lanes, blocks per lane), which attention reads in place
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
         self.verifier = Verifier(model, speculative_config, think_token_ids)
         self.proposer = None
         if draft is not None:
             self.proposer = Proposer(draft, speculative_config, num_blocks * block_size, block_size,
-                                     max_model_len or config.max_position_embeddings, self.dtype, self.device)
+                                     max_model_len or config.max_position_embeddings, self.dtype, self.device,
+                                     lanes)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
@@ -84,5 +87,5 @@ class ModelRunner:
             input_ids.extend(tokens[seq.num_computed:seq.num_computed + n])
             seq_lens.append(seq.num_computed + n)
         attn = AttentionMetadata.build(batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, lanes=self.lanes)
         return self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache, aux_hidden_state_ids)

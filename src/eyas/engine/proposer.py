@@ -69,10 +69,12 @@ class Proposal:
 
 class Proposer:
     def __init__(self, draft: DraftHead, config: SpeculativeConfig, num_slots: int, block_size: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 lanes: tuple[int, int] = (0, 0)) -> None:
         self.draft = draft
         self.config = config
         self.block_size = block_size
+        self.lanes = lanes  # the allocator's (number of lanes, blocks per lane)
         self.max_model_len = max_model_len
         self.device = device
         self.adaptive = AdaptiveWidth(config.num_speculative_tokens) if config.adaptive_width else None
@@ -131,7 +133,7 @@ class Proposer:
             lens.append(end - seq.num_draft_computed)
         caught_up = any(s.pending_draft_inputs for s in seqs)
         attn = AttentionMetadata.build(lens, num_computed, [s.block_table for s in seqs], self.block_size,
-                                       self.device)
+                                       self.device, lanes=self.lanes)
         prenorm = self.draft(torch.cat(inputs) if len(inputs) > 1 else inputs[0],
                              torch.tensor(next_tokens, device=self.device), attn, self.draft_cache)
         last_rows = torch.tensor(lens).cumsum(0) - 1
@@ -153,7 +155,8 @@ class Proposer:
             active = [active[j] for j in keep]
             positions = [positions[j] + 1 for j in keep]
             attn = AttentionMetadata.build([1] * len(active), [p + 1 for p in positions],
-                                           [seqs[i].block_table for i in active], self.block_size, self.device)
+                                           [seqs[i].block_table for i in active], self.block_size, self.device,
+                                           lanes=self.lanes)
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
             tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
         for seq, steps, d in zip(seqs, grammar_steps, drafts):  # back to the committed state; commit advances it

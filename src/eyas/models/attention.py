@@ -27,14 +27,21 @@ SHORT_QUERY = 16  # sequences with at most this many new tokens (decode, verify)
 @dataclass(slots=True)
 class AttentionGroup:
     """Sequences attended as one padded batch. Decode and verify rows share one group; a longer prompt chunk gets a
-    group of its own, so a 512-token chunk never pads 31 one-token decode rows to 512 queries each."""
+    group of its own, so a 512-token chunk never pads 31 one-token decode rows to 512 queries each.
 
-    rows: torch.Tensor  # [group_tokens] flat rows of this group's tokens, sequence by sequence
+    The context is gathered from the cache by `kv_slots`, or, when every sequence's blocks are one contiguous run
+    (`kv_view`), read in place: batch row g's context starts at slot first + g * stride. That is a sequence alone
+    (batch 1), or sequences that each own a lane of the cache (kv_cache.BlockAllocator), one batch row per lane from
+    the lowest to the highest lane; a lane no member owns is a padding row with no valid query."""
+
+    rows: torch.Tensor  # [group_tokens] flat rows of this group's tokens, in batch-row order
     query_rows: torch.Tensor  # [group_batch, max_query_len] flat row of each query (padded)
     query_valid: torch.Tensor  # [group_batch, max_query_len] bool
-    kv_slots: torch.Tensor  # [group_batch, max_seq_len] flat cache slot of each context position (padded)
+    kv_slots: torch.Tensor | None  # [group_batch, max_seq_len] flat cache slot of each context position (padded)
+    kv_view: tuple[int, int] | None  # (first slot, slots between batch rows), instead of kv_slots
     attn_bias: torch.Tensor  # [group_batch, 1, max_query_len, max_seq_len] 0 where visible, -inf elsewhere
     first_row: int  # flat row of the group's first query (a one-sequence group's queries are a slice from it)
+    in_flat_order: bool = True  # rows are first_row, first_row + 1, ... (lanes can put sequences out of order)
 
 
 @dataclass(slots=True)
@@ -49,12 +56,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", kv_starts: list[int] | None = None) -> AttentionMetadata:
+              device: torch.device | str = "cpu", kv_starts: list[int] | None = None,
+              lanes: tuple[int, int] = (0, 0)) -> AttentionMetadata:
         """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are computed this step.
-        With `kv_starts`, sequence b attends only to positions from kv_starts[b] on (its queries must lie there)."""
+        With `kv_starts`, sequence b attends only to positions from kv_starts[b] on (its queries must lie there).
+        `lanes`: the allocator's (number of lanes, blocks per lane); (0, 0) for none.
+        Built with a few whole-batch tensor ops: per-sequence Python here cost a millisecond a step at batch 32."""
         kv_starts = kv_starts or [0] * len(query_lens)
-        positions, slot_mapping, seq_slots, starts = [], [], [], []
-        row = 0
         for b, (q_len, s_len, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
             if q_len < 1 or q_len > s_len:
                 raise ValueError(f"sequence {b}: query length {q_len} must be in 1..seq_len={s_len}")
@@ -62,24 +70,41 @@ class AttentionMetadata:
                 raise ValueError(f"sequence {b}: {len(blocks)} blocks of {block_size} cannot hold {s_len} tokens")
             if not 0 <= kv_starts[b] <= s_len - q_len:
                 raise ValueError(f"sequence {b}: keys start at {kv_starts[b]}, after its first query {s_len - q_len}")
-            used = -(-s_len // block_size)
-            slots = (torch.tensor(blocks[:used]).unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)[:s_len]
-            seq_slots.append(slots)
-            positions.append(torch.arange(s_len - q_len, s_len))
-            slot_mapping.append(slots[s_len - q_len:])
-            starts.append(row)
-            row += q_len
+        num_used = [-(-s // block_size) for s in seq_lens]
+        # the first block of each sequence whose used blocks are one ascending run, else -1
+        runs = [blocks[0] if blocks[n - 1] - blocks[0] == n - 1 and blocks[:n] == list(range(blocks[0], blocks[0] + n))
+                else -1 for blocks, n in zip(block_tables, num_used)]
+        geometry = (block_size, *lanes, runs)
+        if len(query_lens) == 1:  # a sequence alone (batch-1 decode, each draft step): a third of the ops
+            q_len, s_len = query_lens[0], seq_lens[0]
+            blocks = torch.tensor(block_tables[0][:num_used[0]])
+            slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(1, -1)
+            group = _group([0], query_lens, seq_lens, kv_starts, slots, [0], geometry, device)
+            return cls(positions=torch.arange(s_len - q_len, s_len, device=device),
+                       slot_mapping=slots[0, s_len - q_len:s_len].to(device), groups=[group])
+        width = max(num_used)
+        table = torch.tensor([blocks[:n] + [0] * (width - n) for blocks, n in zip(block_tables, num_used)])
+        # slots[b, p]: the flat cache slot of position p of sequence b (past seq_lens[b]: slots of block 0)
+        slots = (table.unsqueeze(2) * block_size + torch.arange(block_size)).view(len(seq_lens), -1)
+        q_lens, s_lens = torch.tensor(query_lens), torch.tensor(seq_lens)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        starts = torch.cumsum(q_lens, 0) - q_lens  # flat row of each sequence's first query
+        positions = (s_lens - q_lens)[seq_of_row] + torch.arange(len(seq_of_row)) - starts[seq_of_row]
+        slot_mapping = slots[seq_of_row, positions]
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         members = ([short] if short else []) + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY]
-        groups = [_group(m, query_lens, seq_lens, kv_starts, seq_slots, starts, device) for m in members]
-        return cls(positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slot_mapping).to(device),
-                   groups=groups)
+        starts_list = starts.tolist()
+        groups = [_group(m, query_lens, seq_lens, kv_starts, slots, starts_list, geometry, device) for m in members]
+        return cls(positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+MAX_EMPTY_LANES = 1.0  # a lane view may hold up to this many padding rows per member; sparser groups gather
 
 
 def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_starts: list[int],
-           seq_slots: list[torch.Tensor], starts: list[int], device) -> AttentionGroup:
-    batch = len(members)
-    if batch == 1:  # one sequence, nothing to pad: the same fields in a third of the ops (a decode step builds 4)
+           slots: torch.Tensor, starts: list[int], geometry: tuple, device) -> AttentionGroup:
+    block_size, num_lanes, lane_blocks, runs = geometry
+    if len(members) == 1:  # one sequence, nothing to pad: the same fields in a third of the ops
         b = members[0]
         q_len, s_len = query_lens[b], seq_lens[b]
         rows = torch.arange(starts[b], starts[b] + q_len)
@@ -88,32 +113,49 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
             attn_bias[0, 0, :, s_len - q_len:] = torch.full((q_len, q_len), float("-inf")).triu_(1)
         if kv_starts[b]:
             attn_bias[..., :kv_starts[b]] = float("-inf")
+        contiguous = runs[b] >= 0
         return AttentionGroup(rows=rows.to(device), query_rows=rows.unsqueeze(0).to(device),
                               query_valid=torch.ones(1, q_len, dtype=torch.bool, device=device),
-                              kv_slots=seq_slots[b].unsqueeze(0).to(device), attn_bias=attn_bias.to(device),
-                              first_row=starts[b])
+                              kv_slots=None if contiguous else slots[b, :s_len].unsqueeze(0).to(device),
+                              kv_view=(runs[b] * block_size, 0) if contiguous else None,
+                              attn_bias=attn_bias.to(device), first_row=starts[b])
+    lanes = None
+    # in lanes: each run starts a lane and stays inside it, so every batch row's view lies in the lanes lo..hi
+    if num_lanes and all(0 <= runs[b] < num_lanes * lane_blocks and runs[b] % lane_blocks == 0
+                         and seq_lens[b] <= lane_blocks * block_size for b in members):
+        lanes = [runs[b] // lane_blocks for b in members]
+        lo, hi = min(lanes), max(lanes)
+        if hi - lo + 1 - len(members) > MAX_EMPTY_LANES * len(members):
+            lanes = None
+    if lanes is None:
+        batch_rows, index = len(members), torch.tensor(members)
+        member_row = torch.arange(len(members))
+    else:  # batch row = lane - lo; rows of lanes no member owns stay empty
+        batch_rows, index = hi - lo + 1, torch.tensor(members)
+        member_row = torch.tensor(lanes) - lo
+    q_lens = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(query_lens)[index])
+    s_lens = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(seq_lens)[index])
+    kv_start = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(kv_starts)[index])
+    first = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(starts)[index])
     max_q, max_s = max(query_lens[b] for b in members), max(seq_lens[b] for b in members)
-    query_rows = torch.zeros(batch, max_q, dtype=torch.long)
-    query_valid = torch.zeros(batch, max_q, dtype=torch.bool)
-    kv_slots = torch.zeros(batch, max_s, dtype=torch.long)
-    attn_bias = torch.full((batch, 1, max_q, max_s), float("-inf"))
+    offsets = torch.arange(max_q)
+    query_valid = offsets < q_lens[:, None]  # [batch_rows, max_q]
+    query_rows = torch.where(query_valid, first[:, None] + offsets, 0)
+    q_pos = (s_lens - q_lens)[:, None] + offsets  # [batch_rows, max_q]
     key_pos = torch.arange(max_s)
-    rows = []
-    for g, b in enumerate(members):
-        q_len, s_len = query_lens[b], seq_lens[b]
-        kv_slots[g, :s_len] = seq_slots[b]
-        query_rows[g, :q_len] = torch.arange(starts[b], starts[b] + q_len)
-        query_valid[g, :q_len] = True
-        q_pos = torch.arange(s_len - q_len, s_len)
-        # [q_len, max_s]; also hides padding past s_len
-        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] >= kv_starts[b])
-        attn_bias[g, 0, :q_len].masked_fill_(visible, 0.0)
-        rows.append(query_rows[g, :q_len])
-    # padded query rows see key 0 so their softmax stays finite; their outputs are dropped
-    attn_bias[:, 0, :, 0].masked_fill_(~query_valid, 0.0)
-    return AttentionGroup(rows=torch.cat(rows).to(device), query_rows=query_rows.to(device),
-                          query_valid=query_valid.to(device), kv_slots=kv_slots.to(device),
-                          attn_bias=attn_bias.to(device), first_row=starts[members[0]])
+    # causal, from the sequence's kv start; this also hides the padding past seq_lens[b]
+    visible = (key_pos <= q_pos[..., None]) & (key_pos >= kv_start[:, None, None])
+    visible &= query_valid[..., None]
+    visible[..., 0] |= ~query_valid  # padded query rows see key 0 so their softmax stays finite; dropped after
+    attn_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).unsqueeze(1)
+    if lanes is None:
+        kv_slots, kv_view, in_order = slots[index, :max_s].to(device), None, True
+    else:
+        kv_slots, kv_view = None, (lo * lane_blocks * block_size, lane_blocks * block_size)
+        in_order = lanes == sorted(lanes)
+    return AttentionGroup(rows=query_rows[query_valid].to(device), query_rows=query_rows.to(device),
+                          query_valid=query_valid.to(device), kv_slots=kv_slots, kv_view=kv_view,
+                          attn_bias=attn_bias.to(device), first_row=starts[members[0]], in_flat_order=in_order)
 
 
 def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: AttentionMetadata, value_dim: int,
@@ -125,7 +167,7 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     def attend(group: AttentionGroup) -> torch.Tensor:
         batch, max_q = group.query_rows.shape
         heads, dim = q.shape[1:]
-        kv = _gather_slots(latent_cache, group.kv_slots)  # [batch, max_seq_len, latent_dim]
+        kv = _context(latent_cache, group)  # [batch, max_seq_len, latent_dim]
         q_padded = _queries(q, group).reshape(batch, max_q * heads, dim)
         scores = torch.bmm(q_padded, kv.transpose(1, 2)).float().mul_(scale)  # [batch, max_q * heads, max_seq_len]
         scores = scores.view(batch, max_q, heads, -1).add_(group.attn_bias.transpose(1, 2))
@@ -148,7 +190,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMeta
         heads, dim = q.shape[1:]
         kv_heads = kv_cache.shape[2]
         per_kv = heads // kv_heads
-        kv = _gather_slots(kv_cache, group.kv_slots)  # [batch, max_seq_len, 2, kv_heads, head_dim]
+        kv = _context(kv_cache, group)  # [batch, max_seq_len, 2, kv_heads, head_dim]
         k = kv[:, :, 0].transpose(1, 2).reshape(batch * kv_heads, -1, dim)  # [batch * kv_heads, max_seq, head_dim]
         v = kv[:, :, 1].transpose(1, 2).reshape(batch * kv_heads, -1, dim)
         q_padded = _queries(q, group).reshape(batch, max_q, kv_heads, per_kv, dim)
@@ -164,10 +206,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMeta
     return _gather(attend, attn, q.shape[0])
 
 
-def _gather_slots(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at kv_slots [batch, max_seq_len] -> [batch, max_seq_len, ...]. index_select on the flat slots:
-    on CPU it copies whole rows 3-5x faster than advanced indexing with a 2-D index."""
-    return cache.index_select(0, kv_slots.flatten()).view(*kv_slots.shape, *cache.shape[1:])
+def _context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's context [batch, max_seq_len, ...]: a strided view of the cache when its runs are contiguous
+    (no copy: at batch 32 the gather was a quarter of a decode step), else the rows at kv_slots. index_select on
+    the flat slots: on CPU it copies whole rows 3-5x faster than advanced indexing with a 2-D index."""
+    if group.kv_view is not None:
+        first, stride = group.kv_view
+        batch, _, _, max_seq_len = group.attn_bias.shape
+        return cache.as_strided((batch, max_seq_len, *cache.shape[1:]), (stride * cache.stride(0), *cache.stride()),
+                                cache.storage_offset() + first * cache.stride(0))
+    return cache.index_select(0, group.kv_slots.flatten()).view(*group.kv_slots.shape, *cache.shape[1:])
 
 
 def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -180,7 +228,7 @@ def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 def _gather(attend, attn: AttentionMetadata, num_tokens: int) -> torch.Tensor:
     """Run `attend` on each group and place its rows in flat order (no copy when one group holds them all)."""
     groups = attn.groups
-    if len(groups) == 1:
+    if len(groups) == 1 and groups[0].in_flat_order:
         return attend(groups[0])
     out = None
     for group in groups:
