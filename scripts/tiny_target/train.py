@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from unlikelihood import PromptSource, generate, penalised_continuations, repetitive_share, unlikelihood_loss
 
 from eyas.checkpoint import load_model, save_model
 from eyas.config import DeepseekV3Config, RopeConfig
+from eyas.engine.llm import load_tokenizer
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MoE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +138,16 @@ def main() -> None:
                     help="share of the text rows drawn from the packages' sources instead of the standard library")
     ap.add_argument("--init-from", type=Path, help="a shipped checkpoint to start this run from (ignored on resume)")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="router bias update speed (gamma)")
+    ap.add_argument("--unlikelihood-weight", type=float, default=0.0,
+                    help="weight of the sequence-level unlikelihood loss on the model's own repetitive greedy "
+                         "continuations (unlikelihood.py; 0: off)")
+    ap.add_argument("--ul-round-steps", type=int, default=6, help="steps between regenerations of the continuations")
+    ap.add_argument("--ul-prompts", type=int, default=48, help="training prompts continued per round")
+    ap.add_argument("--ul-batch-size", type=int, default=4, help="penalised continuations per step")
+    ap.add_argument("--ul-max-tokens", type=int, default=160)
+    ap.add_argument("--ul-min-share", type=float, default=0.25,
+                    help="continuations with more of their tokens inside a repeated 4-gram are penalised")
+    ap.add_argument("--state", type=Path, help="ckpt.pt and train_log.jsonl go here (default: --work)")
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1)
@@ -160,7 +172,9 @@ def main() -> None:
         # them, and the file stores them as equal copies)
         model.load_state_dict(load_model(args.init_from, dtype=torch.float32).state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    ckpt_path, log_path = args.work / "ckpt.pt", args.work / "train_log.jsonl"
+    state_dir = args.state or args.work
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path = state_dir / "ckpt.pt", state_dir / "train_log.jsonl"
     step = 0
     if ckpt_path.exists():
         state = torch.load(ckpt_path, weights_only=True)
@@ -194,15 +208,36 @@ def main() -> None:
         os.replace(tmp, ckpt_path)
         save_model(model, args.out, dtype=torch.bfloat16)
 
+    tokenizer_dir = ROOT / "examples" / "tiny-deepseek-v3"
+    if args.unlikelihood_weight:
+        prompt_source = PromptSource(args.work, arrays, load_tokenizer(tokenizer_dir))
+        # held-out function requests past the ones evaluate.py and eval.jsonl draw: the repetition to watch
+        heldout = [json.loads(line)["messages"][:1]
+                   for line in (args.work / "conversations_heldout.jsonl").read_text().splitlines() if line]
+        heldout = heldout[len(heldout) // 2:][:32]
+    pool, pool_round = [], None
+
     model.train()
     t0, tokens_seen = time.time(), 0
     while step < args.max_steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
+        ul_loss = torch.zeros(())
+        if args.unlikelihood_weight:
+            round_ = step // args.ul_round_steps
+            if round_ != pool_round:
+                prompts, two_turn = prompt_source.prompts(args.seed, round_, args.ul_prompts)
+                outputs = generate(model, tokenizer_dir, prompts, two_turn, args.ul_max_tokens, args.threads, round_)
+                pool, pool_round = penalised_continuations(outputs, args.ul_min_share), round_
+                pool_repetitive = repetitive_share(outputs)
+            take = [pool[(step % args.ul_round_steps * args.ul_batch_size + i) % len(pool)]
+                    for i in range(min(args.ul_batch_size, len(pool)))]
+            if take:
+                ul_loss = unlikelihood_loss(model, take)
         tokens, mask = batch(arrays, step, args.seed, args.batch_size, args.seq_len, args.chat_fraction,
                              args.package_fraction)
-        main_loss, mtp_loss = losses(model, tokens, mask)
-        loss = main_loss + args.mtp_weight * mtp_loss
+        main_loss, mtp_loss = losses(model, tokens, mask)  # last forward: its expert counts steer the biases
+        loss = main_loss + args.mtp_weight * mtp_loss + args.unlikelihood_weight * ul_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
@@ -214,10 +249,16 @@ def main() -> None:
         record = {"step": step, "loss": round(main_loss.item(), 4), "mtp_loss": round(mtp_loss.item(), 4),
                   "lr": lr_at(step - 1), "grad_norm": round(grad_norm, 3),
                   "tokens_per_s": round(tokens_seen / (time.time() - t0), 1)}
+        if args.unlikelihood_weight:
+            record.update(ul_loss=round(ul_loss.item(), 4), ul_penalised=len(pool),
+                          train_prompts_repetitive=round(pool_repetitive, 3))
         if step % args.eval_every == 0 or step == args.max_steps:
             record["val_bpb_32k"] = round(evaluate_bpb(model, arrays["val"], val_bytes, args.seq_len, 32768), 4)
             record["packages_val_bpb_32k"] = round(evaluate_bpb(
                 model, arrays["packages_val"], package_val_bytes, args.seq_len, 32768), 4)
+            if args.unlikelihood_weight:
+                outputs = generate(model, tokenizer_dir, heldout, [], 256, args.threads, 0)
+                record["heldout_repetitive"] = round(repetitive_share(outputs), 4)
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if step % 10 == 0 or "val_bpb_32k" in record:
