@@ -326,20 +326,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head_rows: torch.Tensor | None = None  # set by pack()
-
-    def pack(self) -> None:
-        """For inference on CPU, a row-major copy of the lm_head beside its gemv_layout: one hidden row multiplies
-        fastest by the gemv layout, but several rows (verify, batches) multiply 1.4-1.7x faster as
-        W [vocab, H] @ hidden^T from rows (measured on the bundled target). The copy costs vocab x H values; the
-        lm_head is the largest matrix a decode step reads."""
-        weight = self.lm_head.weight
-        if self.lm_head_rows is None and weight.device.type == "cpu" and not weight.is_contiguous():
-            self.lm_head_rows = weight.detach().contiguous()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_rows is not None and hidden.dim() == 2 and hidden.shape[0] > 1:
-            return torch.mm(self.lm_head_rows, hidden.t()).t().contiguous()
+        # in gemv_layout this is also the fastest form for many rows: 0.27 against 0.55 ms for 4 verify rows and
+        # 2.5 against 3.3 ms for 128, against a row-major copy multiplied as W @ hidden^T (bundled target's head)
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
