@@ -159,10 +159,11 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
 
 
 def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: AttentionMetadata, value_dim: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, groups: list[AttentionGroup] | None = None) -> torch.Tensor:
     """Multi-query attention where one latent per token is both key (all of it) and value (its first value_dim).
 
     q: [num_tokens, heads, latent_dim]; latent_cache: [num_slots, latent_dim]. Returns [num_tokens, heads, value_dim].
+    With `groups` (some of attn.groups), only their rows are computed; the others are left unset.
     """
     def attend(group: AttentionGroup) -> torch.Tensor:
         batch, max_q = group.query_rows.shape
@@ -175,7 +176,12 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
         out = torch.bmm(probs, kv[..., :value_dim]).view(batch, max_q, heads, value_dim)
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, value_dim]
 
-    return _gather(attend, attn, q.shape[0])
+    return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
+
+
+def sequence_context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """A one-sequence group's whole context [seq_len, ...] (a view when its blocks are one run)."""
+    return _context(cache, group)[0]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -203,7 +209,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn: AttentionMeta
         out = out.permute(0, 2, 1, 3, 4).reshape(batch, max_q, heads, dim)
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, head_dim]
 
-    return _gather(attend, attn, q.shape[0])
+    return _gather(attend, attn.groups, q.shape[0])
 
 
 def _context(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -225,10 +231,9 @@ def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     return q[group.query_rows]
 
 
-def _gather(attend, attn: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+def _gather(attend, groups: list[AttentionGroup], num_tokens: int) -> torch.Tensor:
     """Run `attend` on each group and place its rows in flat order (no copy when one group holds them all)."""
-    groups = attn.groups
-    if len(groups) == 1 and groups[0].in_flat_order:
+    if len(groups) == 1 and groups[0].in_flat_order and groups[0].rows.shape[0] == num_tokens:
         return attend(groups[0])
     out = None
     for group in groups:
