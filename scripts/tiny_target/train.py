@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from unlikelihood import PromptSource, generate, penalised_continuations, repetitive_share, unlikelihood_loss
+from unlikelihood import (
+    PromptSource,
+    answer_quality,
+    generate,
+    penalised_continuations,
+    repetitive_share,
+    unlikelihood_loss,
+)
 
 from eyas.checkpoint import load_model, save_model
 from eyas.config import DeepseekV3Config, RopeConfig
@@ -145,10 +152,12 @@ def main() -> None:
     ap.add_argument("--ul-prompts", type=int, default=48, help="training prompts continued per round")
     ap.add_argument("--ul-batch-size", type=int, default=4, help="penalised continuations per step")
     ap.add_argument("--ul-max-tokens", type=int, default=160)
-    ap.add_argument("--ul-min-share", type=float, default=0.25,
+    ap.add_argument("--ul-min-share", type=float, default=0.4,
                     help="continuations with more of their tokens inside a repeated 4-gram are penalised")
     ap.add_argument("--state", type=Path, help="ckpt.pt and train_log.jsonl go here (default: --work)")
     ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--snapshot-every", type=int, default=0,
+                    help="also keep the shippable checkpoint of every Nth step in STATE/model-stepN (0: never)")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -258,13 +267,15 @@ def main() -> None:
                 model, arrays["packages_val"], package_val_bytes, args.seq_len, 32768), 4)
             if args.unlikelihood_weight:
                 outputs = generate(model, tokenizer_dir, heldout, [], 256, args.threads, 0)
-                record["heldout_repetitive"] = round(repetitive_share(outputs), 4)
+                record.update(answer_quality(heldout, outputs))
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if step % 10 == 0 or "val_bpb_32k" in record:
             print(json.dumps(record), flush=True)
         if step % args.ckpt_every == 0 or step == args.max_steps:
             save(step)
+        if args.snapshot_every and step % args.snapshot_every == 0:
+            save_model(model, state_dir / f"model-step{step}", dtype=torch.bfloat16)
 
 
 if __name__ == "__main__":

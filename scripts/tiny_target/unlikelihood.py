@@ -4,7 +4,12 @@ Training"): the model's own greedy continuations of training prompts, and at eve
 
 Only continuations more repetitive than real code are penalised: the held-out functions' real bodies have 10-16% of
 their tokens inside a repeated 4-gram on average (the measure `eyas eval` uses, eyas.eval.acceptance), so a
-continuation is penalised above `min_share` (default 0.25), and then at each of its repeated tokens.
+continuation is penalised above `min_share` (default 0.4), and then at each of its repeated tokens.
+
+The loss only pushes probability away from what the model says, so too much of it flattens the model's own
+continuations into noise: at weight 1 and learning rate 3e-4 from the stage-2 model, the held-out loops fell from
+45% to 16% in 60 steps, then by step 90 greedy tokens had a mean probability near 0.01 and read as noise. The
+training log therefore watches held-out answers (repetitive, parsing, stopping) beside the loss.
 
 Prompts come from the training data only, in the three forms of examples/prompts/eval.jsonl: a function request
 (the chat conversations' user turn), the same request followed by a request for a usage example, and six lines of a
@@ -23,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from evaluate import parses
 
 from eyas import LLM, SamplingParams
 from eyas.checkpoint import save_model
@@ -121,3 +127,14 @@ def unlikelihood_loss(model: torch.nn.Module, items: list[Continuation]) -> torc
 
 def repetitive_share(outputs: list) -> float:
     return sum(is_repetitive(o.token_ids) for o in outputs) / max(1, len(outputs))
+
+
+def answer_quality(requests: list, outputs: list) -> dict:
+    """Shares of greedy answers to function requests that are repetitive, parse as Python, and stop on their own:
+    a model that unlearns loops by turning its answers into noise shows here, not in the loss."""
+    codes = [r[0]["content"].split("\n\n", 1)[1] for r in requests]  # the request without its instruction
+    n = max(1, len(outputs))
+    return {"heldout_repetitive": round(repetitive_share(outputs), 4),
+            "heldout_parse": round(sum(parses(c, o.text, o.finish_reason == "stop")
+                                       for c, o in zip(codes, outputs)) / n, 4),
+            "heldout_stopped": round(sum(o.finish_reason == "stop" for o in outputs) / n, 4)}
