@@ -64,7 +64,10 @@ def main() -> None:
     print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "
           f"{'synthetic acceptance ' + str(rate) if rate is not None else 'real acceptance'}, "
           f"threads {args.threads}, {args.new_tokens} new tokens, greedy")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accept len':>11}  same tokens")
+    # speedup / AL: the share of the acceptance length that reaches the user (1 when a speculative step costs what
+    # a plain step costs)
+    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accept len':>11} {'speedup/AL':>11}"
+          "  same tokens")
     for batch in args.batch_sizes:
         # at most `batch` sequences at a time; with --prompts every prompt runs (batch 1: one after another)
         plain = LLM(args.model, max_num_seqs=batch)
@@ -81,7 +84,7 @@ def main() -> None:
         al = sum(o.acceptance_length for o in spec_out) / len(spec_out)
         same = all(a.token_ids == b.token_ids for a, b in zip(plain_out, spec_out))
         print(f"{batch:>5} {total / plain_s:>12.1f} {total / spec_s:>11.1f} {plain_s / spec_s:>7.2f}x "
-              f"{al:>11.2f}  {same if rate is None else 'n/a (synthetic)'}")
+              f"{al:>11.2f} {plain_s / spec_s / al:>11.2f}  {same if rate is None else 'n/a (synthetic)'}")
 
 
 if __name__ == "__main__":
