@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--ul-prompts", type=int, default=48, help="training prompts continued per round")
     ap.add_argument("--ul-batch-size", type=int, default=4, help="penalised continuations per step")
     ap.add_argument("--ul-max-tokens", type=int, default=160)
+    ap.add_argument("--ul-continuation-share", type=float, default=0.35,
+                    help="share of the prompts that are raw file text to continue (the rest: function requests)")
     ap.add_argument("--ul-min-share", type=float, default=0.4,
                     help="continuations with more of their tokens inside a repeated 4-gram are penalised")
     ap.add_argument("--state", type=Path, help="ckpt.pt and train_log.jsonl go here (default: --work)")
@@ -219,7 +221,7 @@ def main() -> None:
 
     tokenizer_dir = ROOT / "examples" / "tiny-deepseek-v3"
     if args.unlikelihood_weight:
-        prompt_source = PromptSource(args.work, arrays, load_tokenizer(tokenizer_dir))
+        prompt_source = PromptSource(args.work, arrays, load_tokenizer(tokenizer_dir), args.ul_continuation_share)
         # held-out function requests past the ones evaluate.py and eval.jsonl draw: the repetition to watch
         heldout = [json.loads(line)["messages"][:1]
                    for line in (args.work / "conversations_heldout.jsonl").read_text().splitlines() if line]

@@ -49,7 +49,8 @@ class Continuation:
 class PromptSource:
     """Training prompts in the three eval forms, a pure function of (seed, round)."""
 
-    def __init__(self, work: Path, arrays: dict, tokenizer) -> None:
+    def __init__(self, work: Path, arrays: dict, tokenizer, continuation_share: float = 0.35) -> None:
+        self.continuation_share = continuation_share
         self.requests = []
         for name in ("conversations_train.jsonl", "conversations_packages_train.jsonl"):
             requests = (json.loads(line)["messages"][0]["content"] for line in (work / name).read_text().splitlines())
@@ -76,12 +77,12 @@ class PromptSource:
         prompts, two_turn = [], []
         for i in range(n):
             form = rng.random()
-            if form < 0.35:
+            if form < self.continuation_share:
                 prompts.append(self.continuation_prompt(rng))
                 continue
             source = self.requests[rng.random() < 0.5]
             prompts.append([{"role": "user", "content": source[rng.randrange(len(source))]}])
-            if form > 0.8:
+            if form > 0.8:  # a fifth of all prompts, while continuations take less than 0.8
                 two_turn.append(i)
         return prompts, two_turn
 
