@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "work" / "tiny_target", help="data arrays and ckpt.pt")
     ap.add_argument("--out", type=Path, default=ROOT / "examples" / "tiny-deepseek-v3", help="shipped checkpoint")
     ap.add_argument("--max-steps", type=int, default=6000)
+    ap.add_argument("--stop-at", type=int, help="end the run at this step (the schedule still spans --max-steps)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -230,7 +231,8 @@ def main() -> None:
 
     model.train()
     t0, tokens_seen = time.time(), 0
-    while step < args.max_steps:
+    last_step = min(args.max_steps, args.stop_at or args.max_steps)
+    while step < last_step:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         ul_loss = torch.zeros(())
@@ -263,7 +265,7 @@ def main() -> None:
         if args.unlikelihood_weight:
             record.update(ul_loss=round(ul_loss.item(), 4), ul_penalised=len(pool),
                           train_prompts_repetitive=round(pool_repetitive, 3))
-        if step % args.eval_every == 0 or step == args.max_steps:
+        if step % args.eval_every == 0 or step == last_step:
             record["val_bpb_32k"] = round(evaluate_bpb(model, arrays["val"], val_bytes, args.seq_len, 32768), 4)
             record["packages_val_bpb_32k"] = round(evaluate_bpb(
                 model, arrays["packages_val"], package_val_bytes, args.seq_len, 32768), 4)
@@ -274,7 +276,7 @@ def main() -> None:
             f.write(json.dumps(record) + "\n")
         if step % 10 == 0 or "val_bpb_32k" in record:
             print(json.dumps(record), flush=True)
-        if step % args.ckpt_every == 0 or step == args.max_steps:
+        if step % args.ckpt_every == 0 or step == last_step:
             save(step)
         if args.snapshot_every and step % args.snapshot_every == 0:
             save_model(model, state_dir / f"model-step{step}", dtype=torch.bfloat16)
