@@ -34,8 +34,8 @@ class BlockAllocator:
         self.lane_blocks = num_blocks // num_lanes if num_lanes and num_blocks // num_lanes >= 2 else 0
         self.num_lanes = num_lanes if self.lane_blocks else 0
         self._free: set[int] = set(range(num_blocks))
-        # candidates for a block with no placement preference, highest id first (lazy: entries may be taken)
-        self._heap = [-b for b in range(num_blocks - 1, -1, -1)] if self.num_lanes else list(range(num_blocks))
+        # candidates for a block with no placement preference (lazy: entries may be taken); see _order
+        self._heap = sorted(map(self._order, range(num_blocks)))
         self._lane_free = [self.lane_blocks] * self.num_lanes  # free blocks per lane
 
     @property
@@ -69,12 +69,11 @@ class BlockAllocator:
         while len(block_table) > keep:
             block = block_table.pop()
             self._free.add(block)
-            heapq.heappush(self._heap, -block if self.num_lanes else block)
+            heapq.heappush(self._heap, self._order(block))
             if block < self.num_lanes * self.lane_blocks:
                 self._lane_free[block // self.lane_blocks] += 1
         if len(self._heap) > 4 * self.num_blocks:  # blocks placed by lanes leave stale entries behind
-            self._heap = [-b if self.num_lanes else b for b in self._free]
-            heapq.heapify(self._heap)
+            self._heap = sorted(map(self._order, self._free))
 
     def free(self, block_table: list[int]) -> None:
         self.shrink(block_table, 0)
@@ -93,10 +92,14 @@ class BlockAllocator:
         in_lane = nxt < self.num_lanes * self.lane_blocks and nxt % self.lane_blocks
         return nxt if in_lane and nxt in self._free else None
 
+    def _order(self, block: int) -> int:
+        """The heap key: with lanes the highest free block comes first (whole lanes stay free longest), without
+        them the lowest (a sequence alone gets ascending blocks, one run)."""
+        return -block if self.num_lanes else block
+
     def _any_free(self) -> int:
         while True:
-            block = heapq.heappop(self._heap)
-            block = -block if self.num_lanes else block
+            block = self._order(heapq.heappop(self._heap))  # the key is its own inverse
             if block in self._free:
                 return block
 

@@ -127,12 +127,11 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
         lo, hi = min(lanes), max(lanes)
         if hi - lo + 1 - len(members) > MAX_EMPTY_LANES * len(members):
             lanes = None
+    index = torch.tensor(members)
     if lanes is None:
-        batch_rows, index = len(members), torch.tensor(members)
-        member_row = torch.arange(len(members))
+        batch_rows, member_row = len(members), torch.arange(len(members))
     else:  # batch row = lane - lo; rows of lanes no member owns stay empty
-        batch_rows, index = hi - lo + 1, torch.tensor(members)
-        member_row = torch.tensor(lanes) - lo
+        batch_rows, member_row = hi - lo + 1, torch.tensor(lanes) - lo
     q_lens = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(query_lens)[index])
     s_lens = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(seq_lens)[index])
     kv_start = torch.zeros(batch_rows, dtype=torch.long).index_put_((member_row,), torch.tensor(kv_starts)[index])
