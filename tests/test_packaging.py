@@ -49,3 +49,12 @@ def test_the_command_line_says_what_to_give(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"eyas generate: error: {gone}: no such checkpoint directory"
     assert err[1].startswith("eyas generate: the bundled examples are not installed") and "--model DIR" in err[1]
+
+
+def test_torch_floor_is_above_the_weights_only_advisories():
+    """eyas torch.loads third-party dumps with weights_only=True, which could run code below torch 2.10
+    (CVE-2025-32434 fixed in 2.6, CVE-2026-24747 in 2.10)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [d for d in deps if d.split(">")[0].split("=")[0].strip() == "torch"]
+    floor = tuple(int(x) for x in torch_req.split(">=")[1].split(",")[0].split("."))
+    assert floor >= (2, 10), torch_req

@@ -58,6 +58,9 @@ def test_killed_in_training_then_rerun_resumes(recipe):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert 5 <= len(log.read_text().splitlines()) < 40, "the pipeline should have been killed in training"
+    stale = work / "draft" / "export-vllm" / "stale.bin"  # an earlier export's file: the export stage removes it
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
     assert set(json.loads((work / "stages.json").read_text())) == {"regenerate", "calibrate_vocab",
                                                                    "dump_hidden_states"}
     proc = run(recipe)
@@ -73,6 +76,7 @@ def test_killed_in_training_then_rerun_resumes(recipe):
     assert report["settings"]["draft_model"] == str(work / "draft" / "draft")
     for fmt in ("vllm", "sglang"):
         assert (work / "draft" / f"export-{fmt}" / "model.safetensors").is_file()
+    assert not stale.exists()
     # all done: a third run skips every stage
     proc = run(recipe)
     _, stderr = proc.communicate(timeout=300)
@@ -90,3 +94,97 @@ def test_bad_recipes_are_refused_naming_the_key(tmp_path):
         path.write_text(yaml.safe_dump(recipe))
         with pytest.raises((PipelineError, ValueError), match=message):
             stage_commands(read_recipe(path), path)
+
+
+def stand_in_server(seen: list):
+    """An OpenAI-compatible stand-in that answers every chat request with one short reply and keeps each request's
+    Authorization header in `seen`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.reply({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.reply({"object": "chat.completion", "usage": {"completion_tokens": 2, "prompt_tokens": 3},
+                        "choices": [{"index": 0, "finish_reason": "length",
+                                     "message": {"role": "assistant", "content": "return 1"}}]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_an_api_key_in_a_recipe_is_sent_but_never_printed_or_written(tmp_path, capsys):
+    from eyas.pipeline import run_pipeline
+
+    key = "sk-recipe-secret-4f9c"
+    data = tmp_path / "conversations.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "def f():"},
+                                             {"role": "assistant", "content": "pass"}]}) + "\n")
+    seen: list = []
+    server, url = stand_in_server(seen)
+    try:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump({
+            "work_dir": str(tmp_path / "work"), "data": str(data),
+            "regenerate": {"server": url, "api_key": key, "max_new_tokens": 4, "retries": 0},
+            "train": {"max_steps": 0}}))  # refused by train: the pipeline stops after regenerate
+        assert run_pipeline(path, dry_run=True) == 0
+        code = run_pipeline(path)
+    finally:
+        server.shutdown()
+    out, err = capsys.readouterr()
+    assert code != 0 and "regenerate" in json.loads((tmp_path / "work" / "stages.json").read_text())
+    assert f"Bearer {key}" in seen  # the server got the key...
+    assert "--api-key ***" in out and "--api-key ***" in err
+    assert key not in out + err  # ...and nothing printed it or wrote it under the work dir
+    for f in (tmp_path / "work").rglob("*"):
+        assert not f.is_file() or key.encode() not in f.read_bytes(), f
+
+
+def test_names_and_export_formats_cannot_leave_the_work_dir(tmp_path):
+    path = tmp_path / "r.yaml"
+    for recipe, message in [({"name": ".."}, "name is '..'"), ({"name": "a/b"}, "name is 'a/b'"),
+                            ({"name": ".hidden"}, "name is '.hidden'"),
+                            ({"export": {"format": "vllm/../../x"}}, "export format 'vllm/../../x' is not one of"),
+                            ({"export": {"formats": ["vllm", ".."]}}, "export format '..' is not one of")]:
+        path.write_text(yaml.safe_dump({"work_dir": str(tmp_path / "w"), "data": "d", **recipe}))
+        with pytest.raises(PipelineError, match=message.replace(".", r"\.").replace("/", "/")):
+            stage_commands(read_recipe(path), path)
+
+
+def test_the_stale_export_cleanup_removes_only_an_export_dir_in_the_work_dir(tmp_path):
+    from eyas.pipeline import remove_stale_export
+
+    work = tmp_path / "work"
+    stale = work / "draft" / "export-vllm"
+    stale.mkdir(parents=True)
+    (stale / "old.safetensors").write_bytes(b"old")
+    remove_stale_export(stale, work)
+    assert not stale.exists()
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"keep")
+    link = work / "draft" / "export-sglang"
+    link.symlink_to(outside, target_is_directory=True)
+    for directory in (outside, link, work / "draft", work / "draft" / ".." / ".." / "precious",
+                      work / "draft" / "eval"):
+        with pytest.raises(PipelineError, match="not an export directory"):
+            remove_stale_export(directory, work)
+    assert (outside / "model.safetensors").read_bytes() == b"keep"

@@ -530,6 +530,22 @@ def test_cli_serve_arguments():
         (9001, "k", "mtp", "m", 4)
 
 
+def test_an_empty_or_spaced_api_key_is_refused(capsys):
+    """`--api-key ""` would accept 'Authorization: Bearer' with nothing after it while the banner says no key is
+    needed; a key with spaces could never match. Both are refused by the flag and by build_app."""
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    for key in ("", "   ", "two words", " k"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--api-key", key])
+        assert "--api-key" in capsys.readouterr().err
+    from eyas.serve.app import build_app
+
+    for key in ("", " "):
+        with pytest.raises(ValueError, match="api_key"):
+            build_app(None, NAME, api_key=key)
+
+
 def test_access_log_line_per_request_and_banner(server, client, caplog):
     from eyas.serve.app import banner
 

@@ -454,3 +454,27 @@ def test_eval_every_logs_the_acceptance_length_and_plots_it(setup, tmp_path):
                 if "eval_acceptance_length" in r}
     assert sorted(measured) == [2, 4] and all(1.0 <= al <= 4.0 for al in measured.values())
     assert (out / "train_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_crafted_training_state_is_refused_in_one_line_without_torchs_advice(tmp_path, capsys):
+    """A state.pt holding objects other than tensors (a pickle GLOBAL) or of another shape is refused, naming the
+    file, and the run falls back to the state before it; torch's hint to load with weights_only=False never shows."""
+    import argparse
+
+    import torch
+
+    from eyas.train.trainer import load_training_state
+
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    good = {"step": 2, "config": {"lr": 1e-3}, "draft": {"w": torch.ones(2)}, "optimizer": {"state": {}}}
+    torch.save(good, ckpt / "state.prev.pt")
+    for crafted in ({"step": 3, "config": argparse.Namespace(lr=1.0)}, [1, 2, 3], {"step": "3"}):
+        torch.save(crafted, ckpt / "state.pt")
+        state = load_training_state(ckpt, torch.device("cpu"))
+        assert state["step"] == 2 and torch.equal(state["draft"]["w"], good["draft"]["w"])
+        err = capsys.readouterr().err
+        assert str(ckpt / "state.pt") in err and "weights_only" not in err and len(err.strip().splitlines()) == 1
+    torch.save([1], ckpt / "state.prev.pt")
+    with pytest.raises(ValueError, match="no readable training state"):
+        load_training_state(ckpt, torch.device("cpu"))

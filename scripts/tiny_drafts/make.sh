@@ -20,7 +20,8 @@ NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-1024}
 mkdir -p $W
 
 if [ ! -f $W/selected.jsonl ]; then
-  { head -n $NUM_CONVERSATIONS $SRC; tail -n +$((HALF + 1)) $SRC | head -n $NUM_CONVERSATIONS; } > $W/selected.jsonl.tmp
+  # one pass (a `tail | head` pipe dies of SIGPIPE under pipefail)
+  awk -v n="$NUM_CONVERSATIONS" -v half="$HALF" 'NR <= n || (NR > half && NR <= half + n)' $SRC > $W/selected.jsonl.tmp
   mv $W/selected.jsonl.tmp $W/selected.jsonl
 fi
 python scripts/tiny_drafts/text_records.py --num 1024 --tokens 384 -o $W/text.jsonl

@@ -30,6 +30,16 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def api_key(value: str) -> str:
+    """argparse type of every --api-key: an empty key would turn 'Authorization: Bearer' with nothing after it into a
+    valid credential, and a key with spaces can never match what a client sends after stripping."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty API key is no key: pass a non-empty one, or leave the flag out")
+    if value != value.strip() or any(c.isspace() for c in value):
+        raise argparse.ArgumentTypeError("an API key cannot contain spaces or other whitespace")
+    return value
+
+
 def _show_every_default(parser: argparse.ArgumentParser) -> None:
     """argparse prints no help line, so no default, for an option without help text: give each one its default."""
     for action in parser._actions:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -59,8 +60,25 @@ RESERVED = {
 }
 
 
+# a recipe's name becomes a directory under work_dir and an export format part of one: plain names only, so
+# neither can point outside it
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+SECRET_OPTIONS = ("--api-key",)  # their values are never printed or written to WORK/stages.json
+
+
 class PipelineError(ValueError):
     pass
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """`argv` with the value of every secret option replaced: what the pipeline prints and records."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in SECRET_OPTIONS and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif arg.startswith(tuple(o + "=" for o in SECRET_OPTIONS)):
+            out[i] = arg.split("=", 1)[0] + "=***"
+    return out
 
 
 def read_recipe(path: Path) -> dict:
@@ -72,8 +90,10 @@ def read_recipe(path: Path) -> dict:
     for key in ("work_dir", "data"):
         if not isinstance(recipe.get(key), str):
             raise PipelineError(f"{path}: {key} must be set to a path")
-    if not isinstance(recipe.get("name", ""), str) or "/" in recipe.get("name", ""):
-        raise PipelineError(f"{path}: name must be a directory name (no '/')")
+    name = recipe.get("name", "draft")
+    if not isinstance(name, str) or not PLAIN_NAME.fullmatch(name):
+        raise PipelineError(f"{path}: name is {name!r}; expected a directory name of letters, digits, '.', '_' "
+                            "and '-' that starts with a letter or digit")
     if not isinstance(recipe.get("extra_data", []), list):
         raise PipelineError(f"{path}: extra_data must be a list of JSONL files")
     for stage in STAGES:
@@ -143,10 +163,21 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
         section.pop("format", None)
         if formats == [None] or not isinstance(formats, list):
             raise PipelineError(f"{recipe_path}: export needs `format` or a `formats` list")
+        known = next(a for a in commands["export"]._actions if a.dest == "format").choices
         for fmt in formats:
+            if fmt not in known:  # checked here, before it names a directory
+                raise PipelineError(f"{recipe_path}: export format {fmt!r} is not one of {', '.join(known)}")
             out.append((f"export {fmt}", ["export", draft, str(own / f"export-{fmt}"), "--format", str(fmt),
                                           "--target", target, *flags("export", section)]))
     return out
+
+
+def remove_stale_export(directory: Path, work: Path) -> None:
+    """Remove an earlier export's directory, only where the pipeline itself puts one: WORK/NAME/export-FORMAT."""
+    resolved, root = directory.resolve(), work.resolve()
+    if (directory.is_symlink() or resolved.parent.parent != root or not resolved.name.startswith("export-")):
+        raise PipelineError(f"{directory}: not an export directory inside {work}; not removing it")
+    shutil.rmtree(resolved, ignore_errors=True)
 
 
 def draft_name(recipe: dict) -> str:
@@ -178,28 +209,29 @@ def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
     done: dict = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if dry_run:
         for stage, argv in stages:
-            print(f"{stage}: " + ("(concatenate the training data)" if not argv else "eyas " + " ".join(argv)))
+            print(f"{stage}: " + ("(concatenate the training data)" if not argv else "eyas " +
+                                  " ".join(redacted(argv))))
         return 0
     work.mkdir(parents=True, exist_ok=True)
     changed = False  # once a stage reruns, the stages after it see new inputs and rerun too
-    for i, (stage, argv) in enumerate(stages, 1):
-        if stage == "data":
+    for i, (kind, argv) in enumerate(stages, 1):
+        if kind == "data":
             write_training_data(recipe, work)
             continue
-        if stage.split(" ")[0] in DRAFT_STAGES:
-            stage = f"{draft_name(recipe)}: {stage}"
+        stage = f"{draft_name(recipe)}: {kind}" if kind.split(" ")[0] in DRAFT_STAGES else kind
         label = f"[{i}/{len(stages)}] {stage}"
+        shown = redacted(argv)  # what is printed and recorded: the same settings, no secrets
         previous = done.get(stage)
-        if previous is not None and previous == argv and not changed:
+        if previous is not None and previous == shown and not changed:
             print(f"{label}: done earlier, skipped", file=sys.stderr)
             continue
-        if previous is not None and previous != argv and not stage.endswith(": train"):
+        if previous is not None and previous != shown and kind != "train":
             raise PipelineError(f"stage {stage} finished earlier with other settings:\n  was: eyas "
-                                f"{' '.join(previous)}\n  now: eyas {' '.join(argv)}\nremove its output and its "
-                                f"entry in {record_path} to run it again")
-        print(f"{label}: eyas {' '.join(argv)}", file=sys.stderr)
-        if stage.startswith("export"):  # an export writes a fresh directory
-            shutil.rmtree(argv[2], ignore_errors=True)
+                                f"{' '.join(redacted(previous))}\n  now: eyas {' '.join(shown)}\nremove its "
+                                f"output and its entry in {record_path} to run it again")
+        print(f"{label}: eyas {' '.join(shown)}", file=sys.stderr)
+        if kind.startswith("export "):  # an export writes a fresh directory: a stale one's files would mix in
+            remove_stale_export(Path(argv[2]), work)
         try:
             code = run(build_parser(), argv)  # every command but this one: a stage never runs a pipeline
         except SystemExit as e:  # argparse refusing an option
@@ -208,8 +240,8 @@ def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
             print(f"eyas pipeline: stage {stage} stopped (exit {code}); rerun `eyas pipeline {recipe_path}` to "
                   "resume", file=sys.stderr)
             return code
-        done[stage] = argv
-        changed = changed or previous != argv
+        done[stage] = shown
+        changed = changed or previous != shown
         tmp = record_path.with_name(record_path.name + ".tmp")
         tmp.write_text(json.dumps(done, indent=2) + "\n")
         os.replace(tmp, record_path)

@@ -55,6 +55,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
     describe the server to anyone). A request body over `max_request_bytes` is refused (413) without being read
     whole. A grammar that takes over `grammar_timeout` seconds to compile, or a prompt over `max_prompt_tokens`
     (default: the context), is a 400."""
+    if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
+        raise ValueError("api_key must be a non-empty key without whitespace, or None for no key")
     metrics = ServerMetrics(model_name)
     engine = EngineLoop(llm, metrics, grammar_timeout, max_prompt_tokens)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.commands import api_key
 from eyas.engine_args import EngineArgs
 from eyas.serve.limits import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
 
@@ -23,7 +24,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", type=api_key, help="require 'Authorization: Bearer KEY' on /v1/* (a non-empty key "
+                   "without spaces)")
     p.add_argument("--public-metrics", action="store_true", help="with --api-key, serve /metrics without the key "
                    "(it needs the key otherwise)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="larger request bodies are "

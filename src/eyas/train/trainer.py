@@ -18,6 +18,8 @@ import contextlib
 import json
 import math
 import os
+import pickle
+import re
 import signal
 import sys
 import threading
@@ -683,12 +685,24 @@ def load_training_state(ckpt: Path, device: torch.device) -> dict | None:
         if not path.is_file():
             continue
         try:
-            return torch.load(path, weights_only=True, map_location=device)
+            state = torch.load(path, weights_only=True, map_location=device)
+        except pickle.UnpicklingError as e:  # torch's own text advises weights_only=False: never show it
+            found = re.search(r"GLOBAL (\S+)", str(e))
+            print(f"{path} holds objects other than tensors ({found.group(1) if found else 'not a training state'}): "
+                  "refused; trying the checkpoint before it", file=sys.stderr)
+            continue
         except (RuntimeError, EOFError, ValueError, OSError) as e:  # what torch.load raises for a cut file
             print(f"{path} cannot be read ({type(e).__name__}: {str(e)[:120]}); trying the checkpoint before it",
                   file=sys.stderr)
+            continue
+        if (isinstance(state, dict) and isinstance(state.get("step"), int) and
+                all(isinstance(state.get(k), dict) for k in ("config", "draft", "optimizer"))):
+            return state
+        print(f"{path} is not a training state (expected a mapping of step, config, draft and optimizer); trying "
+              "the checkpoint before it", file=sys.stderr)
     if (ckpt / "state.pt").is_file():
-        raise ValueError(f"{ckpt}: no readable training state (state.pt and {PREVIOUS_STATE} are damaged)")
+        raise ValueError(f"{ckpt}: no readable training state (state.pt and {PREVIOUS_STATE} are damaged, refused "
+                         "or missing)")
     return None
 
 
