@@ -155,7 +155,8 @@ def test_hostile_configs_and_indexes_are_refused_fast(checkpoint, tmp_path):
         start = time.perf_counter()
         with pytest.raises(error, match=message):
             load_model(bad)
-        assert time.perf_counter() - start < 1.0, change
+        # refused from config.json alone: ms, where building such a model would take minutes or all memory
+        assert time.perf_counter() - start < 5.0, change
     deep = tmp_path / "deep"
     shutil.copytree(path, deep)
     (deep / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")

@@ -367,12 +367,12 @@ def test_disconnect_frees_kv_blocks_at_once(checkpoint):
         assert llm.allocator.num_used > 0
         stream.close()
         start = time.time()
-        wait_idle(llm, timeout=2.0)
-        freed_after = time.time() - start
-        print(f"blocks freed {freed_after * 1000:.0f} ms after the disconnect")
+        wait_idle(llm, timeout=60)
+        print(f"blocks freed {(time.time() - start) * 1000:.0f} ms after the disconnect")
         m = metrics(url)
     assert m[("eyas:request_success_total", (("finished_reason", "abort"),))] == 1
-    assert freed_after < 2.0 and llm.allocator.num_used == 0
+    # freed at the disconnect, not when the 200 tokens were done: counted in tokens, so a busy machine cannot fail it
+    assert m[("eyas:generation_tokens_total", ())] < 100 and llm.allocator.num_used == 0
 
 
 def test_disconnect_while_waiting_for_a_full_response(checkpoint):
@@ -383,10 +383,10 @@ def test_disconnect_while_waiting_for_a_full_response(checkpoint):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", timeout=0.3, headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": NAME, "prompt": "x", "max_tokens": 200, "ignore_eos": True})
-        wait_idle(llm, timeout=1.0)
+        wait_idle(llm, timeout=60)
         m = metrics(url)
     assert m[("eyas:request_success_total", (("finished_reason", "abort"),))] == 1
-    assert m[("eyas:generation_tokens_total", ())] < 150
+    assert m[("eyas:generation_tokens_total", ())] < 150  # stopped at the disconnect, long before the 200th
 
 
 def test_client_that_gives_up_before_its_first_token_costs_no_prefill(checkpoint, caplog):
@@ -414,16 +414,16 @@ def test_client_that_gives_up_before_its_first_token_costs_no_prefill(checkpoint
             lines = r.iter_lines()
             next(lines)  # the stream's first token is out: every step from now on sleeps first
             stepping.clear()
-            assert stepping.wait(5)
+            assert stepping.wait(60)
             for stream in (False, True):
                 with pytest.raises(httpx.ReadTimeout):
                     with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=0.05,
                                       json={**body, "max_tokens": 50, "stream": stream}) as gone:
                         gone.read()
             list(lines)
-        wait_idle(llm, timeout=5)
+        wait_idle(llm, timeout=60)
         m = metrics(url)
-        deadline = time.time() + 5
+        deadline = time.time() + 60
         while len([r for r in caplog.records if r.name == "eyas.access" and "completions" in r.getMessage()]) < 3:
             assert time.time() < deadline
             time.sleep(0.01)
@@ -606,12 +606,16 @@ def test_bodies_that_are_not_json_too_large_or_too_deep_are_4xx(checkpoint):
             assert r.status_code == 400 and "deeper than 64 levels" in r.json()["error"]["message"], depth
 
 
+STALL_S = 2.0
+
+
 def test_no_hostile_request_stalls_the_others(checkpoint):
     """While a greedy stream runs, requests whose cost the client controls (a 5 MB prompt, a 5 MB chat message, a
     10,000-property schema, a 20,000-word alternation, 100,000 stop strings, a 300 MB body) each get their 4xx with
-    an OpenAI error body, the stream never pauses for 0.5 s and /health answers within 0.5 s throughout: their
+    an OpenAI error body, the stream never pauses for STALL_S and /health answers within STALL_S throughout: their
     work runs in the preparation threads, bounded by limits checked first, not on the engine thread or the event
-    loop."""
+    loop. STALL_S is 2 s: 4x the largest gap seen on a machine busy with other work (0.555 s), and far below what
+    the work refused here costs where it should not run (tokenizing the 5 MB prompt alone took 12.8 s on 2 cores)."""
     import threading
 
     llm = LLM(checkpoint, max_num_seqs=4)
@@ -658,8 +662,8 @@ def test_no_hostile_request_stalls_the_others(checkpoint):
             r = httpx.post(url + path, json=body, timeout=60)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, \
                 (path, r.status_code, r.text[:200])
-            if n < 2:  # refused on its length in characters, before any tokenizing
-                assert "characters" in r.json()["error"]["message"] and time.perf_counter() - start < 2.0
+            if n < 2:  # refused on its length in characters, before any tokenizing (which takes seconds)
+                assert "characters" in r.json()["error"]["message"] and time.perf_counter() - start < STALL_S
 
         def chunks():  # 300 MB offered; the server reads 8 MiB of it
             for _ in range(300):
@@ -676,4 +680,4 @@ def test_no_hostile_request_stalls_the_others(checkpoint):
             t.join(timeout=60)
     assert len(gaps) > 50 and len(health) > 10, (len(gaps), len(health))
     print(f"largest stream gap {max(gaps):.3f} s over {len(gaps)} chunks; slowest /health {max(health):.3f} s")
-    assert max(gaps) < 0.5 and max(health) < 0.5, (max(gaps), max(health))
+    assert max(gaps) < STALL_S and max(health) < STALL_S, (max(gaps), max(health))
