@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -15,29 +16,45 @@ from pathlib import Path
 
 from eyas.paths import missing_hint
 
+LIST_ITEM = re.compile(r"(?:[-*]|\d+\.) ")
+
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Descriptions keep their line breaks (long lines are wrapped); every option's help ends with its default."""
+    """Descriptions are wrapped to the terminal paragraph by paragraph (a blank line, a list item or an indented line
+    starts a new one; indented lines, such as examples, are kept as written); every option's help ends with its
+    default."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
-                         if line.strip() else "" for line in text.strip("\n").splitlines())
+        out: list[str] = []
+        words: list[str] = []
+        hang = ""
+
+        def flush() -> None:
+            if words:
+                out.append(textwrap.fill(" ".join(words), width, initial_indent=indent,
+                                         subsequent_indent=indent + hang))
+                words.clear()
+
+        for line in text.strip("\n").splitlines():
+            if not line.strip() or line.startswith((" ", "\t")):
+                flush()
+                out.append(indent + line.rstrip() if line.strip() else "")
+                continue
+            item = LIST_ITEM.match(line)
+            if item:
+                flush()
+                hang = " " * item.end()
+            elif not words:
+                hang = ""
+            words.append(line.strip())
+        flush()
+        return "\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = (action.help or "").strip()
         if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or "default" in text.lower():
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
-
-
-def api_key(value: str) -> str:
-    """argparse type of every --api-key: an empty key would turn 'Authorization: Bearer' with nothing after it into a
-    valid credential, and a key with spaces can never match what a client sends after stripping."""
-    if not value.strip():
-        raise argparse.ArgumentTypeError("an empty API key is no key: pass a non-empty one, or leave the flag out")
-    if value != value.strip() or any(c.isspace() for c in value):
-        raise argparse.ArgumentTypeError("an API key cannot contain spaces or other whitespace")
-    return value
 
 
 def _show_every_default(parser: argparse.ArgumentParser) -> None:

@@ -3,22 +3,29 @@
 Stages, in order, each the eyas command of its name run with the settings of its section (omit a section to skip
 the stage; train is always run):
 
-  regenerate          the conversations' assistant turns rewritten by the target    -> WORK/regenerated.jsonl
-  (training data)     that, or `data` as it is, plus the `extra_data` files         -> WORK/train_data.jsonl
-  calibrate_vocab     a compressed draft vocabulary from the training data          -> WORK/vocab.safetensors
-  dump_hidden_states  the target's aux hidden states (else the draft trains online) -> WORK/hidden_states/
-  train               the draft (always with --resume)                              -> WORK/NAME/draft
-  eval                its acceptance length on held-out prompts                      -> WORK/NAME/eval.json (+ .png)
-  export              the draft in other engines' layouts (`format` or `formats`)   -> WORK/NAME/export-FORMAT/
+  regenerate          the conversations' assistant turns rewritten by the target
+                        -> WORK/regenerated.jsonl
+  (training data)     that, or `data` as it is, plus the `extra_data` files
+                        -> WORK/train_data.jsonl
+  calibrate_vocab     a compressed draft vocabulary from the training data
+                        -> WORK/vocab.safetensors
+  dump_hidden_states  the target's aux hidden states (else training runs online)
+                        -> WORK/hidden_states/
+  train               the draft (always with --resume)  -> WORK/NAME/draft
+  eval                its acceptance length on held-out prompts
+                        -> WORK/NAME/eval.json (+ .png)
+  export              the draft in other engines' layouts (`format(s)`)
+                        -> WORK/NAME/export-FORMAT/
 
 A recipe:
 
-  target: examples/tiny-deepseek-v3        # default: the bundled tiny target
-  work_dir: runs/tiny                      # where every stage writes
-  name: mla                                # the draft's own directory in it (default: draft); recipes with
-                                           # the same data stages and work_dir share them
-  data: conversations.jsonl                # OpenAI messages or ShareGPT records
-  extra_data: [text.jsonl]                 # optional: records added to the training data as they are
+  target: examples/tiny-deepseek-v3   # default: the bundled tiny target
+  work_dir: runs/tiny                 # where every stage writes
+  name: mla                           # the draft's own directory in it (default:
+                                      # draft); recipes with the same data stages
+                                      # and work_dir share them
+  data: conversations.jsonl           # OpenAI messages or ShareGPT records
+  extra_data: [text.jsonl]            # optional: added to the training data
   regenerate: {max_new_tokens: 192}
   calibrate_vocab: {draft_vocab_size: 2048}
   dump_hidden_states: {max_length: 512}

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from eyas.commands import api_key
 from eyas.engine_args import EngineArgs
-from eyas.serve.limits import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES
+from eyas.serve.limits import GRAMMAR_TIMEOUT_S, MAX_REQUEST_BYTES, api_key
 
 
 def _serve(args: argparse.Namespace) -> int:
