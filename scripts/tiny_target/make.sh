@@ -12,9 +12,12 @@
 #
 # Stage 3's result is committed as scripts/tiny_target/stage3-model: the point a further stage starts from on a
 # machine without work/ (train.py --init-from scripts/tiny_target/stage3-model). It replaces
-# examples/tiny-deepseek-v3 only together with drafts trained on it. The unlikelihood stage continues the model's
-# own greedy outputs, so its run depends on the thread count's rounding: reruns land near the committed model,
-# not on it (it was trained with THREADS=2).
+# examples/tiny-deepseek-v3 only together with drafts trained on it. Its answers to the drafts' 2,048 training
+# conversations (scripts/tiny_drafts/make.sh's selected.jsonl, 192 new tokens each, `eyas regenerate` as the drafts'
+# recipes run it) are committed beside it as stage3-regenerated.jsonl: copied to work/drafts/regenerated.jsonl, the
+# pipeline's regenerate stage finds every chunk done. The unlikelihood stage continues the model's own greedy
+# outputs, so its run depends on the thread count's rounding: reruns land near the committed model, not on it (it
+# was trained with THREADS=2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=work/tiny_target
