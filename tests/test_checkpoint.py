@@ -175,3 +175,22 @@ def test_hostile_configs_and_indexes_are_refused_fast(checkpoint, tmp_path):
     (broken / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(CheckpointError, match="not a safetensors index"):
         load_model(broken)
+
+
+def test_a_swapped_or_mismatched_directory_is_named_for_what_it_is(tmp_path):
+    """A draft given as the target, a target given as the draft, and a draft made for a target of another hidden
+    size each get an error saying what the directory is and what to pass, before any weight is compared."""
+    from eyas.checkpoint import load_draft
+    from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    with pytest.raises(CheckpointError, match=r"is a draft \(Eagle3DeepseekV2ForCausalLM\), not a target model: "
+                       r"pass it as --draft-model"):
+        load_model(DEFAULT_DRAFT)
+    target = load_model(DEFAULT_MODEL)
+    with pytest.raises(CheckpointError, match=r"is a target model \(DeepseekV3ForCausalLM, \d+ layers\), not a draft: "
+                       "pass it as --model"):
+        load_draft(DEFAULT_MODEL, target)
+    make_hf_checkpoint(tmp_path / "other", hidden_size=64)
+    with pytest.raises(CheckpointError, match=r"made for another target: its config.json has target_hidden_size "
+                       r"192, the target's hidden size is 64; .*eyas inspect"):
+        load_draft(DEFAULT_DRAFT, load_model(tmp_path / "other"))

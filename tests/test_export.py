@@ -283,6 +283,10 @@ def test_cli(target_path, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert run("export", src, tmp_path / "x", "--format", "max", "--rope-scaling-factor", 2) == 2
     assert run("quantize-draft", src, tmp_path / "fp8", "--fp8", "--block-size", 16, "--target", target_path) == 0
+    # block FP8 is the only scheme: the flag may be left out, and the same bytes come out
+    assert run("quantize-draft", src, tmp_path / "fp8-default", "--block-size", 16, "--target", target_path) == 0
+    assert ((tmp_path / "fp8-default" / "model.safetensors").read_bytes() ==
+            (tmp_path / "fp8" / "model.safetensors").read_bytes())
     assert read(tmp_path / "fp8")[1]["fc.weight"].dtype == torch.float8_e4m3fn
     assert "max abs weight error" in capsys.readouterr().out
     assert run("quantize-draft", src, tmp_path / "nofp8", "--target", target_path) == 2

@@ -338,6 +338,20 @@ def test_disable_batch_size_defaults_by_device():
     assert config("--device", "cuda", "--speculative-disable-batch-size", "5").disable_batch_size == 5
 
 
+def test_a_draft_given_with_plain_decoding_is_an_error_not_ignored():
+    import argparse
+
+    from eyas.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-method", "none", "--draft-model", "some/draft"])
+    with pytest.raises(ValueError, match="--speculative-method none decodes without a draft, but --draft-model "
+                       "some/draft is given"):
+        EngineArgs.from_cli_args(args).speculative_config()
+    assert EngineArgs.from_cli_args(parser.parse_args(["--speculative-method", "none"])).speculative_config() is None
+
+
 def test_mixed_batch_width_caps_the_drafts_of_steps_that_prefill(copying_mtp):
     """With num_speculative_tokens_mixed_batch 1, a sequence decoding beside a prompt that is still being prefilled
     (chunks of 4 tokens) proposes at most one draft; once every prompt is in, K again. Output equals plain greedy."""

@@ -53,6 +53,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto",
     dtype = resolve_dtype(dtype, device)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    _refuse_a_draft_as_target(path)
     config = DeepseekV3Config.from_json(path)
     tensors = load_weights(path, dtype)
     L = config.num_hidden_layers
@@ -152,6 +153,40 @@ def canonical_key(key: str) -> str:
     return key
 
 
+def _draft_architecture(raw: dict) -> str | None:
+    """The draft architecture a config.json names (EAGLE-3 in any engine's layout, speculators, DFlash), else None."""
+    if "speculators_model_type" in raw:
+        return f"speculators {raw['speculators_model_type']}"
+    names = raw.get("architectures") if isinstance(raw.get("architectures"), list) else []
+    return next((str(a) for a in names if re.search(r"eagle|speculator|dflash", str(a), re.IGNORECASE)), None)
+
+
+def _refuse_a_draft_as_target(path: Path) -> None:
+    """A draft directory given where a target belongs is named as such, instead of failing on its missing weights."""
+    raw = read_config_json(path / "config.json", "a target checkpoint directory")
+    arch = _draft_architecture(raw)
+    if arch is not None:
+        raise CheckpointError(f"{path} is a draft ({arch}), not a target model: pass it as --draft-model (with "
+                              f"--speculative-method eagle) and the target it was trained for as --model; `eyas "
+                              f"inspect TARGET {path}` says whether the two fit")
+
+
+def _refuse_a_mismatched_draft(path: Path, raw: dict, target: DeepseekV3ForCausalLM) -> None:
+    """A target given as the draft, or a draft made for another target, is named as such before its weights are
+    compared shape by shape."""
+    if _draft_architecture(raw) is None and raw.get("num_hidden_layers", 1) != 1:
+        names = ", ".join(map(str, raw.get("architectures") or ["no architectures"]))
+        raise CheckpointError(f"{path} is a target model ({names}, {raw.get('num_hidden_layers')} layers), not a "
+                              "draft: pass it as --model; a draft directory holds one decoder layer (architectures "
+                              "such as Eagle3DeepseekV2ForCausalLM or LlamaForCausalLMEagle3)")
+    wanted = raw.get("target_hidden_size")  # absent in some exports: the fc shape check below still applies
+    if isinstance(wanted, int) and wanted != target.config.hidden_size:
+        raise CheckpointError(f"{path}: this draft was made for another target: its config.json has "
+                              f"target_hidden_size {wanted}, the target's hidden size is {target.config.hidden_size}; "
+                              f"pass the target it was trained for as --model, or `eyas inspect TARGET {path}` to "
+                              "compare the two")
+
+
 def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,
                allow_unused_weights: bool = False) -> Eagle3Draft:
     """Load an EAGLE-3 draft written by vLLM, SGLang/SpecForge, speculators, Model Optimizer, MAX or eyas, for
@@ -169,6 +204,7 @@ def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: 
     speculators = is_speculators_config(raw)
     if speculators:
         raw = speculators_to_hf(raw, source)
+    _refuse_a_mismatched_draft(path, raw, target)
     weight = target.lm_head.weight
     tensors, layouts, fp8 = _draft_tensors(path, raw, weight.dtype)
     kind, arch_name = detect_architecture(raw, "fc.weight" in tensors, source)
@@ -238,7 +274,8 @@ def _num_aux_hidden_states(tensors: dict[str, torch.Tensor], target: DeepseekV3F
     num_aux, rest = divmod(tensors["fc.weight"].shape[-1], H)
     if rest or num_aux not in (2, 3):
         raise CheckpointError(f"{path}: 'fc.weight' has shape {tuple(tensors['fc.weight'].shape)}; expected input "
-                              f"width 2 or 3 x the target's hidden_size {H} ({2 * H} or {3 * H})")
+                              f"width 2 or 3 x the target's hidden_size {H} ({2 * H} or {3 * H}): a draft made for "
+                              f"another target? `eyas inspect TARGET {path}` compares the two")
     return num_aux
 
 

@@ -100,6 +100,9 @@ class EngineArgs:
             else:
                 method = "none"
         if method == "none":
+            if draft is not None:  # plain decoding would silently leave the draft unused
+                raise ValueError(f"--speculative-method none decodes without a draft, but --draft-model {draft} is "
+                                 "given: drop --draft-model, or pass --speculative-method eagle to draft with it")
             return None
         # unset: on CPU, where a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be,
         # drafting stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on

@@ -446,8 +446,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize_draft(args: argparse.Namespace) -> int:
-    if not args.fp8:
-        return _error("quantize-draft", ValueError("pass --fp8 (block FP8 e4m3 is the only scheme)"))
     try:
         report = quantize_draft_fp8(args.draft, args.out, args.target, args.block_size, args.include_lm_head,
                                     args.format, args.aux_layer_convention)
@@ -505,7 +503,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "the source dtype. Prints the largest weight error and the file sizes.")
     q.add_argument("draft", type=Path, metavar="DRAFT_DIR", help="the draft checkpoint directory to read")
     q.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write")
-    q.add_argument("--fp8", action="store_true", help="block FP8 e4m3 weights (required: the only scheme)")
+    q.add_argument("--fp8", action="store_true", help="block FP8 e4m3 weights: the only scheme, so also what runs "
+                   "without this flag")
     q.add_argument("--block-size", type=int, default=128, metavar="B", help="scale block B x B (default 128, as "
                    "DeepSeek-V3)")
     q.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too (eyas loads it; vLLM and "
