@@ -289,7 +289,6 @@ def test_cli(target_path, tmp_path, capsys):
             (tmp_path / "fp8" / "model.safetensors").read_bytes())
     assert read(tmp_path / "fp8")[1]["fc.weight"].dtype == torch.float8_e4m3fn
     assert "max abs weight error" in capsys.readouterr().out
-    assert run("quantize-draft", src, tmp_path / "nofp8", "--target", target_path) == 2
 
     assert run("inspect", target_path, tmp_path / "vllm") == 0
     assert "draft rope (yarn" in capsys.readouterr().out  # a warning, not a mismatch
