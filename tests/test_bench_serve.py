@@ -81,6 +81,7 @@ def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkp
     check_run(run)
     assert run["server"] == "server" and report["comparison"] == [] and run["acceptance_length"] is None
     assert report["config"]["served_model_name"] is None  # found in /v1/models
+    assert "api_key" not in report["config"] and KEY not in json.dumps(report)  # the key is sent, never reported
     assert all(r["prompt_len"] > 0 and r["output_len"] == 5 for r in run["requests"])
 
 

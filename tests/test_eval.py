@@ -174,3 +174,98 @@ def test_eval_reads_sglang_per_response_counts_when_there_are_no_counters():
                                      concurrency)["overall"]
         assert (overall["requests"], overall["verify_steps"], overall["accepted_drafts"]) == (2, 8, 12)
         assert overall["acceptance_length"] == 2.5 and overall["accepted_per_position"] == [1.0, 0.5]
+
+
+def vllm_stand_in(metrics: list[str], answer: dict | None = None):
+    """A vLLM whose /metrics answers the texts of `metrics` in turn (the last one from then on)."""
+    import httpx
+
+    reads = []
+
+    def vllm(request):
+        if request.url.path == "/metrics":
+            reads.append(1)
+            return httpx.Response(200, text=metrics[min(len(reads), len(metrics)) - 1])
+        return httpx.Response(200, json=answer or {"choices": [{"text": "x", "finish_reason": "length"}],
+                                                   "usage": {"completion_tokens": 10}})
+
+    return httpx.MockTransport(vllm)
+
+
+def counters(drafts, accepted=0, drafted=0) -> str:
+    return (f"vllm:spec_decode_num_drafts_total{{model_name=\"m\"}} {drafts}\n"
+            f"vllm:spec_decode_num_draft_tokens_total{{model_name=\"m\"}} {drafted}\n"
+            f"vllm:spec_decode_num_accepted_tokens_total{{model_name=\"m\"}} {accepted}\n")
+
+
+@pytest.mark.parametrize("before, after, expected", [
+    (counters(2000, 6000, 9000), counters(20, 50, 90),
+     "http://vllm:8000/metrics: counter vllm:spec_decode_num_drafts went from 2000 to 20: the server restarted or "
+     "the counter was reset; rerun"),
+    (counters(0), counters("NaN"), "http://vllm:8000/metrics: counter vllm:spec_decode_num_drafts is nan"),
+    (counters(0), counters(4.5), "http://vllm:8000/metrics: counter vllm:spec_decode_num_drafts is 4.5"),
+    (counters(0), counters(4, accepted=30, drafted=12), "vllm:spec_decode_num_accepted_tokens rose by 30 but "
+     "vllm:spec_decode_num_draft_tokens only by 12"),
+    (counters(0), counters(4) + 'vllm:spec_decode_num_drafts_total{model_name="m"} 1 1712345678000\n',
+     None),  # a timestamp is not the value: 4 + 1 drafts
+])
+def test_eval_by_server_refuses_counters_that_do_not_count(before, after, expected):
+    """A restarted server's counters go backwards; their delta would read as an acceptance length (4.03 from
+    verify_steps -1980). Such counters, and ones that are not whole numbers, stop eval naming the server and the
+    counter."""
+    from eyas.client import ServerClient, ServerError
+    from eyas.eval.acceptance import evaluate_by_server
+
+    client = ServerClient("http://vllm:8000", model="m", retries=0, transport=vllm_stand_in([before, after]))
+    records = [{"category": "code", "prompt": "def f(x):\n", "turns": None}]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    if expected is None:
+        assert evaluate_by_server(client, records, params)["overall"]["verify_steps"] == 5
+        return
+    with pytest.raises(ServerError) as refused:
+        evaluate_by_server(client, records, params)
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("meta, tokens, expected", [
+    ({"spec_verify_ct": 12}, 10, "http://sglang:30000: an answer counts 12 verify steps (meta_info.spec_verify_ct) "
+                                 "for 10 tokens"),
+    ({"spec_verify_ct": -1}, 10, "meta_info.spec_verify_ct is -1"),
+    ({"spec_verify_ct": 4}, -10, "usage.completion_tokens is -10"),
+    ({"spec_verify_ct": 4}, 10.5, "usage.completion_tokens is 10.5"),
+])
+def test_eval_by_server_refuses_per_response_counts_that_do_not_count(meta, tokens, expected):
+    from eyas.client import ServerClient, ServerError
+    from eyas.eval.acceptance import evaluate_by_server
+
+    answer = {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"completion_tokens": tokens},
+              "meta_info": meta}
+    client = ServerClient("http://sglang:30000", model="m", retries=0, transport=vllm_stand_in([""], answer))
+    with pytest.raises(ServerError) as refused:
+        evaluate_by_server(client, [{"category": "c", "prompt": "p", "turns": None}],
+                           SamplingParams(temperature=0, max_tokens=10))
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_eval_cli_names_a_restarted_server_in_one_line(tmp_path, capsys):
+    """Through the command line: exit 2, one line naming the server and the counter, no report."""
+    from tiny import reply, stand_in
+
+    reads = []
+
+    def restarted(h):
+        if h.path == "/metrics":
+            reads.append(1)
+            reply(h, counters(2000, 6000, 9000) if len(reads) == 1 else counters(20, 50, 90))
+        else:
+            reply(h, {"choices": [{"text": "x", "finish_reason": "length"}], "usage": {"completion_tokens": 10}})
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "code", "prompt": "def f(x):\n"}) + "\n")
+    with stand_in(restarted) as url:
+        code = cli(["eval", str(prompts), "--server", url, "--served-model-name", "m", "--retries", "0",
+                    "--request-timeout", "5"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err == (f"eyas eval: error: {url}/metrics: counter vllm:spec_decode_num_drafts went from 2000 "
+                            "to 20: the server restarted or the counter was reset; rerun\n")

@@ -1,8 +1,13 @@
-"""Tiny random DeepSeek-V3 checkpoints written by transformers itself, for parity and engine tests."""
+"""Tiny random DeepSeek-V3 checkpoints written by transformers itself, for parity and engine tests; stand-in HTTP
+servers for the tests of what eyas reads from servers."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
@@ -67,3 +72,46 @@ def make_served_checkpoint(path: Path) -> Path:
     add_mtp_weights(path)
     copy_tokenizer(path)
     return path
+
+
+# -- stand-in servers ---------------------------------------------------------------------------------------------
+
+@contextmanager
+def stand_in(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """A server on a free loopback port answering every request with `handle(handler)` (a POST's body already
+    read, as `handler.body`); yields its URL. Handler threads are daemons, so one still dripping cannot hold the
+    test run."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.body = b""
+            try:
+                handle(self)
+            except OSError:  # the client hung up
+                pass
+
+        def do_POST(self):
+            self.body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                handle(self)
+            except OSError:
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def reply(handler: BaseHTTPRequestHandler, body: dict | str | bytes, status: int = 200) -> None:
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,6 +43,8 @@ from eyas.records import read_prompt_file
 
 if TYPE_CHECKING:
     import httpx
+
+    from eyas.client import ServerClient
 
 PERCENTILES = (50, 90, 99)
 
@@ -99,29 +101,39 @@ def file_requests(path: Path, num: int | None, output_len: int) -> list[BenchReq
             for p in (prompts[i % len(prompts)] for i in range(num))]
 
 
-async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperature: float) -> RequestResult:
-    """One streaming request; its timings come from the SSE chunks as they arrive."""
+async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperature: float,
+               timeout: float | None = None) -> RequestResult:
+    """One streaming request; its timings come from the SSE chunks as they arrive. It may take `timeout` seconds in
+    all (httpx's own timeout bounds each read, which a server sending a byte now and then never trips)."""
+    from eyas.client import MAX_RESPONSE_BYTES
+
     body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
     body["messages" if req.endpoint == "chat/completions" else "prompt"] = req.prompt
     result = RequestResult(req.prompt_len, req.output_len)
     counted = 0  # tokens seen in the chunks, for a server that sends no usage
     start = last = time.perf_counter()
-    try:
+
+    async def read() -> None:
+        nonlocal counted, last
         async with http.stream("POST", f"/v1/{req.endpoint}", json=body) as r:
             result.status = r.status_code
             if r.status_code != 200:
                 result.error = (await r.aread()).decode(errors="replace")[:500]
-                return result
-            async for line in r.aiter_lines():
+                return
+            async for line in _lines(r, MAX_RESPONSE_BYTES):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     result.error = json.dumps(chunk["error"])[:500]
-                    return result
+                    return
                 if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
+                    tokens = chunk["usage"].get("completion_tokens")
+                    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                        result.error = f"usage.completion_tokens is {tokens!r:.60}; expected a whole number"
+                        return
+                    result.output_len = tokens
                     if req.prompt_len < 0:
                         result.prompt_len = chunk["usage"]["prompt_tokens"]
                 choices = chunk.get("choices") or []
@@ -136,8 +148,16 @@ async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperatu
                 else:
                     result.itl.append(now - last)
                 last = now
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        result.error = f"TimeoutError: no complete answer within {timeout:g} s"
+        return result
     except Exception as e:  # a dropped connection or a malformed chunk: the request failed, the run goes on
         result.error = f"{type(e).__name__}: {e}"
+        return result
+    if result.error is not None:
         return result
     result.e2e = time.perf_counter() - start
     result.output_len = result.output_len or counted
@@ -146,6 +166,25 @@ async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperatu
     if result.output_len != req.output_len:
         result.error = f"expected {req.output_len} output tokens, got {result.output_len}"
     return result
+
+
+async def _lines(r: httpx.Response, limit: int) -> AsyncIterator[str]:
+    """The lines of a streamed answer, refusing one of more than `limit` bytes in all (httpx's aiter_lines would
+    hold an endless line in memory)."""
+    received, pending = 0, []
+    async for data in r.aiter_bytes():
+        received += len(data)
+        if received > limit:
+            raise ValueError(f"the answer is larger than {limit} bytes; stopped reading there")
+        *complete, rest = data.split(b"\n")
+        if complete:
+            complete[0] = b"".join(pending) + complete[0]
+            pending = []
+        for line in complete:
+            yield line.rstrip(b"\r").decode(errors="replace")
+        pending.append(rest)
+    if any(pending):
+        yield b"".join(pending).rstrip(b"\r").decode(errors="replace")
 
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], concurrency: int, request_rate: float,
@@ -165,7 +204,7 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], conc
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as http:
         async def one(req: BenchRequest) -> RequestResult:
             async with limit:
-                result = await send(http, model, req, temperature)
+                result = await send(http, model, req, temperature, timeout)
             bar.update(1)
             return result
 
@@ -187,32 +226,41 @@ SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:
                  "accepted": "vllm:spec_decode_num_accepted_tokens"}
 
 
-def spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The speculative counters from /metrics, summed over label sets; None when the server has none."""
-    import httpx
+def spec_counters(client: ServerClient) -> dict[str, float] | None:
+    """The speculative counters from /metrics, summed over label sets; None when the server has none, or when its
+    /metrics cannot be read (a warning says why)."""
+    from eyas.client import ServerError
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(base_url + "/metrics", timeout=10, headers=headers).text
-    except httpx.HTTPError:
+        counters = client.spec_counters()
+    except ServerError as e:
+        print(f"eyas bench: no acceptance length: {e}", file=sys.stderr)
         return None
-    from eyas.client import parse_spec_counters
-
-    counters = parse_spec_counters(text)
     totals = {key: counters[metric] for key, metric in SPEC_COUNTERS.items() if metric in counters}
     return totals if len(totals) == len(SPEC_COUNTERS) else None
 
 
-def acceptance(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+def acceptance(before: dict[str, float] | None, after: dict[str, float] | None,
+               url: str = "the server") -> dict | None:
+    """Acceptance from the counters' deltas over a run; None without counters, or when they cannot be trusted (a
+    counter went backwards or is not a count: a warning names it)."""
+    from eyas.client import ServerError, counter_deltas
+
     if before is None or after is None:
         return None
-    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    try:
+        vllm = counter_deltas(url, {SPEC_COUNTERS[k]: v for k, v in before.items()},
+                              {SPEC_COUNTERS[k]: v for k, v in after.items()})
+    except ServerError as e:
+        print(f"eyas bench: no acceptance length: {e}", file=sys.stderr)
+        return None
+    delta = {k: vllm[metric] for k, metric in SPEC_COUNTERS.items()}
     if delta["drafts"] <= 0:
         return None
     return {"acceptance_length": 1 + delta["accepted"] / delta["drafts"],
             "acceptance_rate": delta["accepted"] / delta["draft_tokens"] if delta["draft_tokens"] else 0.0,
-            "num_drafts": int(delta["drafts"]), "num_draft_tokens": int(delta["draft_tokens"]),
-            "num_accepted_tokens": int(delta["accepted"])}
+            "num_drafts": delta["drafts"], "num_draft_tokens": delta["draft_tokens"],
+            "num_accepted_tokens": delta["accepted"]}
 
 
 # -- statistics -----------------------------------------------------------------------------------------------------
@@ -367,12 +415,11 @@ def bench_servers(args: argparse.Namespace, repeat: int = 0) -> Iterator[tuple[s
 
 
 def _remote_model(args: argparse.Namespace) -> str:
-    import httpx
+    from eyas.client import ServerClient
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    r = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    client = ServerClient(args.base_url, api_key=args.api_key, timeout=30, retries=0)
+    client.close()
+    return client.model
 
 
 def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
@@ -391,29 +438,33 @@ def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
 
 def bench_serve(args: argparse.Namespace) -> dict:
     """Run every (server, concurrency) and return the report; prints each run's table as it finishes."""
+    from eyas.client import ServerClient
+
     requests = load_requests(args)
     warmup = [BenchRequest(r.endpoint, r.prompt, r.prompt_len, min(r.output_len, 8)) for r in requests[:2]]
     runs = []
     for repeat in range(args.repeats):
         for label, url, model in bench_servers(args, repeat):
+            metrics = ServerClient(url, model, args.api_key, timeout=10, retries=0)
             # the first requests pay one-off costs (allocations, lazy imports); keep them out of the figures
             asyncio.run(run_load(url, model, warmup, len(warmup), math.inf, args.temperature, args.api_key,
                                  args.seed, args.request_timeout, f"{label} warmup"))
             for c in args.concurrency:
                 name = f"{label} c={c}" + (f" repeat {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
-                before = spec_counters(url, args.api_key)
+                before = spec_counters(metrics)
                 results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate,
                                                          args.temperature, args.api_key, args.seed,
                                                          args.request_timeout, name))
-                run = run_report(label, c, results, duration, acceptance(before, spec_counters(url, args.api_key)))
+                run = run_report(label, c, results, duration, acceptance(before, spec_counters(metrics), url))
                 run["repeat"] = repeat
                 print_run(run)
                 runs.append(run)
+            metrics.close()
     rows = comparison(runs)
     print_comparison(rows)
     # strict JSON: paths and an infinite request rate as strings
     config = {k: str(v) if isinstance(v, Path) or (isinstance(v, float) and not math.isfinite(v)) else v
-              for k, v in vars(args).items() if k != "func"}
+              for k, v in vars(args).items() if k not in ("func", "api_key")}  # no secret in a report
     return {"config": config, "runs": runs, "comparison": rows}
 
 
@@ -458,7 +509,8 @@ def add_cli(subparsers) -> None:
                    "inf: all at once, limited by --concurrency)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the arrival times")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take, its whole "
+                   "stream included (a request still unfinished then fails)")
     p.add_argument("--repeats", type=_positive_int, default=1, help="run every (server, concurrency) this many "
                    "times, alternating which server goes first; the comparison gives the median of the paired "
                    "ratios (single runs on a shared machine move by several percent)")

@@ -152,7 +152,7 @@ def _converse(client, record: dict, params: SamplingParams, alone: bool, before:
             result = client.chat(history, params.max_tokens, params.temperature, params.seed)
             history.append({"role": "assistant", "content": result.text})
         if result.spec_verify_steps is not None:
-            out.append((_from_response(result), result))
+            out.append((_from_response(client, result), result))
         elif alone:
             out.append((_from_counters(client, before, client.spec_counters(), [result]), result))
         else:
@@ -160,10 +160,16 @@ def _converse(client, record: dict, params: SamplingParams, alone: bool, before:
     return out
 
 
-def _from_response(result) -> ServerOutput:
+def _from_response(client, result) -> ServerOutput:
     """SGLang's count of one response: completion tokens / verify steps is its AL; spec_accept_histogram[i] is
     the steps that accepted i drafts, so position k was accepted in the steps that accepted k or more."""
+    from eyas.client import ServerError
+
     steps = result.spec_verify_steps
+    if steps > result.completion_tokens:  # each verify step commits at least one token
+        raise ServerError(f"{client.url}: an answer counts {steps} verify steps (meta_info.spec_verify_ct) for "
+                          f"{result.completion_tokens} tokens (usage.completion_tokens); expected at most one step "
+                          "per token")
     histogram = result.spec_accept_histogram or []
     per_position = [sum(histogram[k:]) for k in range(1, len(histogram))]
     return ServerOutput(result.completion_tokens, steps, result.completion_tokens - steps, per_position,
@@ -171,16 +177,22 @@ def _from_response(result) -> ServerOutput:
 
 
 def _from_counters(client, before: dict, after: dict, results: list) -> ServerOutput:
-    from eyas.client import ServerError
+    """The deltas of the server's counters around `results` (ChatResults, whose token counts the client has
+    checked): a counter that went backwards or is not a count is a ServerError naming the server and the counter."""
+    from eyas.client import ServerError, counter_deltas
 
     if "vllm:spec_decode_num_drafts" not in after:
         raise ServerError(f"{client.url}/metrics has no vllm:spec_decode_num_drafts counter and its responses carry "
                           "no meta_info.spec_verify_ct: the server is not speculating, or reports acceptance in a "
                           "way eyas does not read")
-    delta = {k: int(after[k] - before.get(k, 0)) for k in after}
+    delta = counter_deltas(client.url, before, after)
+    accepted, drafted = delta.get("vllm:spec_decode_num_accepted_tokens", 0), delta.get(
+        "vllm:spec_decode_num_draft_tokens")
+    if drafted is not None and accepted > drafted:
+        raise ServerError(f"{client.url}/metrics: vllm:spec_decode_num_accepted_tokens rose by {accepted} but "
+                          f"vllm:spec_decode_num_draft_tokens only by {drafted}; a server accepts only drafted tokens")
     positions = sorted(int(k.split(":")[1]) for k in delta if k.startswith("per_pos:"))
-    return ServerOutput(sum(r.completion_tokens for r in results), delta["vllm:spec_decode_num_drafts"],
-                        delta.get("vllm:spec_decode_num_accepted_tokens", 0),
+    return ServerOutput(sum(r.completion_tokens for r in results), delta["vllm:spec_decode_num_drafts"], accepted,
                         [delta[f"per_pos:{k}"] for k in positions],
                         results[0].token_ids or [] if len(results) == 1 else [], len(results))
 
