@@ -188,3 +188,40 @@ def test_the_stale_export_cleanup_removes_only_an_export_dir_in_the_work_dir(tmp
         with pytest.raises(PipelineError, match="not an export directory"):
             remove_stale_export(directory, work)
     assert (outside / "model.safetensors").read_bytes() == b"keep"
+
+
+def test_dry_run_and_run_name_missing_inputs_before_any_stage(tmp_path, capsys):
+    from eyas.pipeline import run_pipeline
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"work_dir": str(tmp_path / "work"), "data": str(tmp_path / "selected.jsonl"),
+                                    "extra_data": [str(tmp_path / "text.jsonl")], "train": {"max_steps": 2}}))
+    assert run_pipeline(path, dry_run=True) == 1
+    out = capsys.readouterr().out
+    assert f"missing input: data: {tmp_path / 'selected.jsonl'}" in out
+    assert f"missing input: extra_data: {tmp_path / 'text.jsonl'}" in out
+    with pytest.raises(PipelineError, match="missing inputs: data: .*selected.jsonl; extra_data: .*text.jsonl"):
+        run_pipeline(path)
+    assert not (tmp_path / "work").exists()  # nothing started, so nothing looks resumable
+
+
+def test_from_a_stage_reruns_it_and_the_later_ones_moving_resumable_outputs_aside(recipe, capsys):
+    """After the full run of test_killed_in_training_then_rerun_resumes: --from eval reruns eval and the exports
+    only; forget_from train moves the draft's directory aside instead of deleting it."""
+    from eyas.pipeline import forget_from, run_pipeline
+
+    work = recipe.parent / "work"
+    if not (work / "draft" / "eval.json").is_file():
+        pytest.skip("runs after test_killed_in_training_then_rerun_resumes")
+    assert run_pipeline(recipe, from_stage="eval") == 0
+    err = capsys.readouterr().err
+    assert err.count("done earlier, skipped") == 4  # regenerate, calibrate_vocab, dump_hidden_states, train
+    assert "draft: eval: eyas eval" in err and "draft: export vllm: eyas export" in err
+    stages = stage_commands(read_recipe(recipe), recipe)
+    done = json.loads((work / "stages.json").read_text())
+    forget_from("train", stages, done, read_recipe(recipe), work)
+    assert not (work / "draft").exists() and (work / "draft.old-1" / "draft" / "model.safetensors").is_file()
+    assert set(done) == {"regenerate", "calibrate_vocab", "dump_hidden_states"}
+    (work / "draft.old-1").rename(work / "draft")
+    with pytest.raises(PipelineError, match="--from regenerate: this recipe runs only"):
+        forget_from("regenerate", [s for s in stages if s[0] != "regenerate"], {}, read_recipe(recipe), work)

@@ -208,18 +208,65 @@ def write_training_data(recipe: dict, work: Path) -> Path:
     return out
 
 
-def run_pipeline(recipe_path: Path, dry_run: bool = False) -> int:
+def missing_inputs(recipe: dict, recipe_path: Path) -> list[str]:
+    """The recipe's own inputs that do not exist yet (the target, the data, the extra data, eval's prompts), each
+    as 'what: path'; what a stage writes for a later one is not an input."""
+    target = Path(recipe.get("target") or DEFAULT_MODEL)
+    wanted = [("target", target, target.is_dir()), ("data", Path(recipe["data"]), Path(recipe["data"]).is_file())]
+    wanted += [("extra_data", Path(f), Path(f).is_file()) for f in recipe.get("extra_data", [])]
+    prompts = (recipe.get("eval") or {}).get("prompts")
+    if prompts is not None:
+        wanted.append(("eval prompts", Path(prompts), Path(prompts).is_file()))
+    return [f"{what}: {path}" for what, path, present in wanted if not present]
+
+
+# what each stage leaves that a rerun would continue from instead of starting afresh (relative to WORK, NAME for
+# the draft's own directory)
+RESUMED_OUTPUTS = {"regenerate": "regenerated.jsonl", "dump_hidden_states": "hidden_states", "train": "NAME"}
+
+
+def forget_from(stage: str, stages: list[tuple[str, list[str]]], done: dict, recipe: dict, work: Path) -> None:
+    """--from STAGE: drop the records of STAGE and every later stage, and move the outputs they would resume from
+    aside (WORK/X -> WORK/X.old-N, never deleted), so they run afresh with the recipe's settings."""
+    kinds = [kind for kind, _ in stages if kind != "data"]  # "export vllm" is of the stage "export"
+    names = [kind.split(" ")[0] for kind in kinds]
+    if stage not in names:
+        raise PipelineError(f"--from {stage}: this recipe runs only {', '.join(dict.fromkeys(names))}")
+    later = kinds[names.index(stage):]
+    for kind in later:
+        done.pop(f"{draft_name(recipe)}: {kind}" if kind.split(" ")[0] in DRAFT_STAGES else kind, None)
+        output = RESUMED_OUTPUTS.get(kind)
+        if output is None:
+            continue
+        path = work / output.replace("NAME", draft_name(recipe))
+        if path.exists():
+            n = 1
+            while path.with_name(f"{path.name}.old-{n}").exists():
+                n += 1
+            path.rename(path.with_name(f"{path.name}.old-{n}"))
+            print(f"eyas pipeline: --from {stage}: moved {path} to {path.name}.old-{n}", file=sys.stderr)
+
+
+def run_pipeline(recipe_path: Path, dry_run: bool = False, from_stage: str | None = None) -> int:
     recipe = read_recipe(recipe_path)
     work = Path(recipe["work_dir"])
     stages = stage_commands(recipe, recipe_path)
     record_path = work / "stages.json"
     done: dict = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    missing = missing_inputs(recipe, recipe_path)
     if dry_run:
         for stage, argv in stages:
             print(f"{stage}: " + ("(concatenate the training data)" if not argv else "eyas " +
                                   " ".join(redacted(argv))))
-        return 0
+        for line in missing:
+            print(f"missing input: {line}")
+        return 1 if missing else 0
+    if missing:  # before any stage runs, so nothing half-done looks resumable
+        raise PipelineError(f"{recipe_path}: missing input{'s' * (len(missing) > 1)}: {'; '.join(missing)} "
+                            "(a recipe's comments say how its inputs are made)")
     work.mkdir(parents=True, exist_ok=True)
+    if from_stage is not None:
+        forget_from(from_stage, stages, done, recipe, work)
     changed = False  # once a stage reruns, the stages after it see new inputs and rerun too
     for i, (kind, argv) in enumerate(stages, 1):
         if kind == "data":
@@ -260,5 +307,10 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("pipeline", help="regenerate -> calibrate-vocab -> dump -> train -> eval -> export "
                               "from one recipe file, each stage resumable", description=__doc__)
     p.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="the recipe (see above)")
-    p.add_argument("--dry-run", action="store_true", help="print each stage's command and run nothing")
-    p.set_defaults(func=lambda args: run_pipeline(args.recipe, args.dry_run))
+    p.add_argument("--dry-run", action="store_true", help="print each stage's command and the recipe's missing "
+                   "inputs, and run nothing (exit 1 when an input is missing)")
+    p.add_argument("--from", dest="from_stage", choices=STAGES, metavar="STAGE",
+                   help="run STAGE and every stage after it again, with the recipe's current settings, even if "
+                   "recorded as done; the outputs they would resume from (regenerated.jsonl, hidden_states/, the "
+                   f"draft's directory) are moved aside to NAME.old-N, never deleted. One of {', '.join(STAGES)}")
+    p.set_defaults(func=lambda args: run_pipeline(args.recipe, args.dry_run, args.from_stage))
