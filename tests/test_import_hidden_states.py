@@ -3,15 +3,23 @@ target) import into shards equal to eyas's own dump of the same records and trai
 eyas cannot read the same way is refused, naming it."""
 
 import gzip
+import io
 import json
+import os
+import pickle
+import re
 import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from tiny import copy_tokenizer, make_hf_checkpoint
 
-from eyas.cli import parse_args
+from eyas.cli import main, parse_args
 from eyas.train.hidden_states import HiddenStateError, HiddenStateShards, capture_hidden_states, dump_hidden_states
 from eyas.train.trainer import TrainConfig, collate, target_features, train
 
@@ -226,7 +234,7 @@ class Opaque:
 
 @pytest.mark.parametrize("changes, message", [
     (dict(hidden_states=[1.0, 2.0]), r"key 'hidden_states' holds a list; expected a tensor"),
-    (dict(conversation_id=Opaque()), r"weights_only=True: it holds a \S*Opaque object, not only tensors"),
+    (dict(conversation_id=Opaque()), r"holds objects other than tensors \(\S*Opaque\): refused"),
     (dict(loss_mask=None), r"no 'loss_mask' \(keys: \['aux_hidden_states', 'hidden_states', 'input_ids'\]\)"),
     (dict(aux_hidden_states=torch.zeros(5, 64)), r"'aux_hidden_states' is \[5, 64\]; expected \[T, 96\]"),
     (dict(hidden_states=torch.zeros(2, 3, 32)), r"'hidden_states' is \[2, 3, 32\]; expected \[T, 32\]"),
@@ -252,8 +260,8 @@ def test_a_pickle_that_is_not_a_dict_of_tensors_is_refused(setup, tmp_path):
     with pytest.raises(HiddenStateError, match=rf"{src / 'c0.pt'}: holds a list; expected a dict of tensors"):
         run(setup, src, "modelopt", *MODELOPT_FLAGS)
     torch.save({"input_ids": Opaque()}, src / "c0.pt")
-    with pytest.raises(HiddenStateError, match=rf"{src / 'c0.pt'}: cannot be loaded as a pickle of plain tensors "
-                                               r"\(torch.load with weights_only=True: it holds a .*Opaque object"):
+    with pytest.raises(HiddenStateError, match=rf"{src / 'c0.pt'}: holds objects other than tensors "
+                                               r"\(\S*Opaque\): refused"):
         run(setup, src, "modelopt", *MODELOPT_FLAGS)
 
 
@@ -312,3 +320,255 @@ def test_specforge_padding_with_loss_and_mixed_dtypes_are_refused(setup, tmp_pat
         run(setup, src, "specforge", "--aux-layer-ids", "0", "1", "2")
     out = run(setup, src, "specforge", "--aux-layer-ids", "0", "1", "2", "--dtype", "bfloat16")
     assert HiddenStateShards(out)[3]["aux_hidden_states"].dtype == torch.bfloat16
+
+
+# -- files crafted to cost more than they hold -----------------------------------------------------------------------
+# Each refusal is one line naming the file, reached before the file's claimed size is allocated. The memory bounds are
+# measured in a child process whose address space is capped at 2 GiB, so a regression fails there instead of taking
+# the machine's memory.
+
+ADDRESS_SPACE = 2 << 30
+LIMITED = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+import torch
+import eyas.cli
+import eyas.train.import_dumps
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; eyas and torch loaded: only the work counts
+{body}
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) * 1024
+print(json.dumps({{"result": result, "grown": grown}}))
+"""
+
+
+def in_limited_process(body, *argv):
+    """Run `body` (Python setting `result`; sys.argv[1:] is `argv`) in a child limited to ADDRESS_SPACE; returns
+    its `result`, `grown` (bytes its peak RSS rose above its peak once eyas was imported) and its stderr."""
+    script = LIMITED.format(limit=ADDRESS_SPACE, body=textwrap.dedent(body))
+    child = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return {**json.loads(child.stdout.splitlines()[-1]), "stderr": child.stderr}
+
+
+def error_lines(stderr):
+    """What the CLI printed besides its progress bars."""
+    return [line for line in re.split(r"[\r\n]+", stderr) if line.strip() and not line.startswith("indexing")]
+
+
+def gzip_bomb(path, expanded=200 << 20):
+    """`expanded` bytes of zeros gzipped (about 1000:1), written a MiB at a time: never whole in memory."""
+    zeros = bytes(1 << 20)
+    with gzip.open(path, "wb") as f:
+        for _ in range(expanded >> 20):
+            f.write(zeros)
+
+
+def rezip(saved, compression):
+    """The torch.save file `saved` (bytes) with every record written again with `compression`."""
+    with zipfile.ZipFile(io.BytesIO(saved)) as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    return out.getvalue()
+
+
+def with_pickle(path, pickled):
+    """A torch.save zip whose data.pkl is `pickled`, as a hand-made file would be."""
+    buffer = io.BytesIO()
+    torch.save({}, buffer)
+    with zipfile.ZipFile(buffer) as z:
+        records = {name: pickled if name.endswith("/data.pkl") else z.read(name) for name in z.namelist()}
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """What torch.load is asked to read, in order: paths, and "a buffer" for a decompressed .gz."""
+    paths, load = [], torch.load
+
+    def recording(f, *args, **kwargs):
+        paths.append(f if isinstance(f, (str, os.PathLike)) else "a buffer")
+        return load(f, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", recording)
+    return paths
+
+
+def test_a_gzip_bomb_is_refused_within_a_memory_bound(setup, tmp_path):
+    """200 MiB of zeros as a 200 KB data_0.ckpt.gz: decompressed a chunk at a time and refused once past what
+    a file of the tiny target can hold (max_file_bytes: 4.1 MiB here), so the child's peak RSS rises by a few
+    MiB. The bound, 64 MiB, leaves room for the CLI's own work and allocator slack and is far below any reading
+    of the whole stream (200 MiB at the least; 400 MiB when it was read whole and copied)."""
+    src = tmp_path / "sf"
+    (src / "rows_0-5").mkdir(parents=True)
+    bomb = src / "rows_0-5" / "data_0.ckpt.gz"
+    gzip_bomb(bomb)
+    assert bomb.stat().st_size < 1 << 20
+    child = in_limited_process("result = eyas.cli.main(sys.argv[1:])", "import-hidden-states", str(src), "--format",
+                               "specforge", "--out", str(tmp_path / "out"), "--model", str(setup["target_dir"]),
+                               "--aux-layer-ids", "0", "1", "2")
+    assert child["result"] == 2
+    assert child["grown"] < 64 << 20, child["grown"]
+    [line] = error_lines(child["stderr"])
+    limit = re.fullmatch(rf"eyas import-hidden-states: error: {bomb}: decompresses to more than \d+ bytes, more "
+                         r"than a file of this target can hold \((\d+) bytes: .*\): refused", line)
+    assert limit and int(limit.group(1)) < 8 << 20, line
+
+
+@pytest.mark.parametrize("view, message", [
+    (lambda aux: torch.zeros(1, 1).expand(*aux.shape), r"is \[\d+, 96\] with strides \[0, 0\]: a stride-0 view"),
+    (lambda aux: torch.zeros(aux.shape[0] + 95).as_strided(aux.shape, (1, 1)),
+     r"is \[\d+, 96\] with strides \[1, 1\]: \d+ elements over a storage holding \d+, an overlapping view"),
+], ids=["stride-0", "overlapping"])
+def test_a_view_claiming_more_than_its_storage_is_refused(setup, tmp_path, view, message):
+    """Aux states saved as a view repeating a few stored numbers: a copy would expand them to their declared
+    size, and the states would be no states at all."""
+    src, bad = one_modelopt_file(setup, tmp_path / "src", aux_hidden_states=view)
+    with pytest.raises(HiddenStateError, match=rf"{bad}: 'aux_hidden_states' {message}.*: refused"):
+        run(setup, src, "modelopt", *MODELOPT_FLAGS)
+
+
+def test_a_stride_0_file_declaring_gigabytes_is_refused_unmaterialised(tmp_path):
+    """A 2 KB file declaring 10**7 tokens of states (5 GB as float32 once copied) over one stored number per
+    tensor, for a target that takes 10**7 tokens: refused on its strides, the child's memory barely moving;
+    a copy would fail on its 2 GiB address space instead of swapping."""
+    T, path = 10**7, tmp_path / "c0.pt"
+    torch.save({"input_ids": torch.zeros(1, dtype=torch.long).expand(T),
+                "loss_mask": torch.ones(1, dtype=torch.long).expand(T),
+                "hidden_states": torch.zeros(1, 1).expand(T, 32),
+                "aux_hidden_states": torch.zeros(1, 1).expand(T, 96), "conversation_id": "c0"}, path)
+    assert path.stat().st_size < 4096
+    child = in_limited_process("""
+        from pathlib import Path
+        from eyas.train.hidden_states import HiddenStateError
+        from eyas.train.import_dumps import SOURCE_FORMATS, read_sequence, resolve_layout
+
+        layout = resolve_layout(SOURCE_FORMATS["modelopt"], [1, 2, 3], "hidden_states", "pre-norm", 4, 32, 8192,
+                                10**7)
+        try:
+            read_sequence(Path(sys.argv[1]), layout)
+            result = "read"
+        except HiddenStateError as e:
+            result = str(e)
+        """, str(path))
+    assert child["grown"] < 64 << 20, child["grown"]
+    assert re.fullmatch(rf"{path}: 'input_ids' is \[10000000\] with strides \[0\]: a stride-0 view .*: refused",
+                        child["result"])
+
+
+def test_a_file_larger_than_the_target_allows_is_refused_unread(setup, tmp_path, loaded):
+    """8 MiB of extra tensor in a file of the tiny target, whose files hold 4.1 MiB at most: refused on the
+    file's size, before torch.load opens it."""
+    src, bad = one_modelopt_file(setup, tmp_path / "src", padding=torch.zeros(2 << 20))
+    with pytest.raises(HiddenStateError, match=rf"{bad}: holds \d+ bytes, more than a file of this target can "
+                                               r"hold \(\d+ bytes: .*\): refused"):
+        run(setup, src, "modelopt", *MODELOPT_FLAGS)
+    assert loaded == [src / "c0.pt"]
+
+
+@pytest.mark.parametrize("padding, message", [
+    (2 << 20, r"its zip records declare \d+ bytes, more than a file of this target can hold"),
+    (0, r"zip records \[.*\] are compressed; torch.save stores every record as it is: refused"),
+], ids=["declared-too-large", "compressed"])
+def test_a_gzipped_zip_of_compressed_records_is_refused_before_loading(setup, tmp_path, loaded, padding, message):
+    """A .ckpt.gz whose torch zip holds deflated records: 8 MiB of zeros inflating out of a few KB, or any record
+    compressed at all (torch.save compresses none; torch.load would inflate each to the size it declares)."""
+    src = write_specforge(setup, tmp_path / "sf")
+    bad = src / "rows_5-10" / "data_7.ckpt.gz"
+    with gzip.open(bad, "rb") as f:
+        row = torch.load(f, weights_only=True)
+    if padding:
+        row["padding"] = torch.zeros(padding)
+    saved = io.BytesIO()
+    torch.save(row, saved)
+    with gzip.open(bad, "wb") as f:
+        f.write(rezip(saved.getvalue(), zipfile.ZIP_DEFLATED))
+    assert bad.stat().st_size < 1 << 20
+    loaded.clear()
+    with pytest.raises(HiddenStateError, match=rf"{bad}: {message}"):
+        run(setup, src, "specforge", "--aux-layer-ids", "0", "1", "2")
+    assert loaded == [src / f"rows_{i // 5 * 5}-{i // 5 * 5 + 5}" / f"data_{i}.ckpt" for i in range(7)]
+
+
+@pytest.mark.parametrize("pickled, held", [
+    # print("hi"), were it run: GLOBAL builtins.print, REDUCE, in the dict's only value
+    (b"\x80\x02}X\x01\x00\x00\x00acbuiltins\nprint\nX\x02\x00\x00\x00hi\x85Rs.", r"print"),
+    # os.getcwd(), were it run: a module torch blocks outright
+    (b"\x80\x02}X\x01\x00\x00\x00acos\ngetcwd\n)Rs.", r"os\.getcwd"),
+    # protocol 4 names globals with STACK_GLOBAL, an opcode torch's unpickler does not run
+    (pickle.dumps({"a": print}, protocol=4), r"Unsupported operand \d+"),
+], ids=["global-print", "blocked-module", "stack-global"])
+def test_a_pickle_of_other_objects_is_refused_in_one_line_of_our_own(setup, tmp_path, capsys, pickled, held):
+    """Whatever torch.load(weights_only=True) refuses, the user reads one line naming the file and what it
+    holds, never torch's advice to load it with weights_only=False."""
+    src, _ = one_modelopt_file(setup, tmp_path / "src")
+    bad = src / "c1.pt"
+    with_pickle(bad, pickled)
+    assert main(["import-hidden-states", str(src), "--format", "modelopt", "--out", str(tmp_path / "out"), "--model",
+                 str(setup["target_dir"]), *MODELOPT_FLAGS]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert re.fullmatch(rf"eyas import-hidden-states: error: {bad}: holds objects other than tensors \({held}\): "
+                        r"refused", line), line
+    assert "weights_only" not in line
+
+
+@pytest.mark.parametrize("tensor, kind", [
+    (lambda ids: ids.to_sparse(), r"a torch\.sparse_coo tensor"),
+    (lambda ids: torch.empty(ids.shape, dtype=ids.dtype, device="meta"), r"a meta tensor"),
+], ids=["sparse", "meta"])
+def test_a_tensor_that_is_not_dense_data_is_refused_in_one_line(setup, tmp_path, capsys, tensor, kind):
+    """Tensors weights_only loading allows but no dumper writes: refused as they load, not left to fail in an
+    operation later with a traceback."""
+    src, bad = one_modelopt_file(setup, tmp_path / "src", input_ids=tensor)
+    assert main(["import-hidden-states", str(src), "--format", "modelopt", "--out", str(tmp_path / "out"), "--model",
+                 str(setup["target_dir"]), *MODELOPT_FLAGS]) == 2
+    [line] = error_lines(capsys.readouterr().err)
+    assert re.fullmatch(rf"eyas import-hidden-states: error: {bad}: 'input_ids' is {kind}; expected a dense CPU "
+                        r"tensor: refused", line), line
+
+
+def test_a_source_file_linking_outside_src_is_refused(setup, tmp_path):
+    """A dump from elsewhere may hold links: one leading out of SRC is refused (the import would otherwise read,
+    and copy into OUT, any file of this machine); one to a file inside SRC is read as that file."""
+    src = write_modelopt(setup, tmp_path / "modelopt")
+    link, outside = src / "conv_3.pt", tmp_path / "outside.pt"
+    link.rename(outside)
+    link.symlink_to(outside)
+    with pytest.raises(HiddenStateError, match=rf"{link}: links to {outside.resolve()}, outside {src}: refused"):
+        run(setup, src, "modelopt", *MODELOPT_FLAGS)
+    (src / "kept").mkdir()
+    link.unlink()
+    outside.rename(src / "kept" / "conv_3.data")
+    link.symlink_to(src / "kept" / "conv_3.data")
+    assert_same_as_eyas_dump(setup, run(setup, src, "modelopt", *MODELOPT_FLAGS, "--examples-per-shard", "5"),
+                             post_norm=False)
+
+
+@pytest.mark.parametrize("listed", ["dotdot", "absolute", "link"])
+def test_a_resumed_manifest_listing_a_shard_outside_out_is_refused(setup, tmp_path, listed):
+    """OUT's manifest from an earlier run names each shard as a plain file in OUT, as a safetensors index names
+    its shards; a resumed import keeps the shards it lists and training reads them, so one naming a file
+    elsewhere (by `..`, an absolute path or a link) is refused, even where that file is a real shard."""
+    from eyas.train.import_dumps import SOURCE_FORMATS, final_norm_weight, import_hidden_states, resolve_layout
+
+    src = write_modelopt(setup, tmp_path / "modelopt")
+    config = setup["target"].config
+    layout = resolve_layout(SOURCE_FORMATS["modelopt"], AUX, "hidden_states", "pre-norm", 4, config.hidden_size,
+                            config.vocab_size, config.max_position_embeddings)
+    out = tmp_path / "out"
+    kw = dict(examples_per_shard=5, norm_weight=final_norm_weight(setup["target_dir"]))
+    import_hidden_states(src, out, layout, config, setup["target_dir"], max_shards=1, **kw)
+    shard, elsewhere = out / "shard-00000.safetensors", tmp_path / "elsewhere.safetensors"
+    shard.rename(elsewhere)
+    manifest = json.loads((out / "manifest.json").read_text())
+    name = {"dotdot": "../elsewhere.safetensors", "absolute": str(elsewhere), "link": shard.name}[listed]
+    if listed == "link":
+        shard.symlink_to(elsewhere)
+    manifest["shards"][0]["file"] = name
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HiddenStateError, match=rf"{out / 'manifest.json'}: lists shard '{re.escape(name)}', which "
+                                               rf"is not a file in {out}: refused"):
+        import_hidden_states(src, out, layout, config, setup["target_dir"], **kw)

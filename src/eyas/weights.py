@@ -26,6 +26,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint eyas cannot load, with the file and key at fault."""
 
 
+def shard_file(directory: Path, name: object) -> Path | None:
+    """`directory / name` where `name` is a plain file name, as a safetensors index or an eyas dump's manifest names
+    its shards; None for anything that could name a file outside `directory` (an absolute path, a subdirectory,
+    `..`, not a string). Links are the caller's to judge: the HF cache links a model directory's files to blobs
+    outside it."""
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).is_absolute() or Path(name).name != name:
+        return None
+    return directory / name
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     if not path.exists():
         raise CheckpointError(f"{path}: no such directory")
@@ -42,7 +52,7 @@ def checkpoint_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         for name in set(weight_map.values()):
             # a shard is a file in this directory: nothing the index names may lie outside it
-            if Path(name).is_absolute() or Path(name).name != name or name in (".", ".."):
+            if shard_file(path, name) is None:
                 raise CheckpointError(f"{index}: shard file name {name!r} is not a file name in {path}; refusing "
                                       "to read outside the model directory")
         files = [path / name for name in sorted(set(weight_map.values()))]

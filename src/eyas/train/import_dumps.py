@@ -31,6 +31,11 @@ Pickles are loaded only with torch.load(weights_only=True): a file holding anyth
 metadata strings or numbers its tool writes) is refused. A first pass reads every file's token ids, loss mask and
 shapes (memory-mapped: the states are not read), so a bad file is named before any shard is written; .ckpt.gz files
 are decompressed in both passes.
+
+The files may come from anywhere, so nothing in one is trusted to be small: a file (or a .gz stream, as it
+decompresses) larger than `max_file_bytes` of the target is refused unread, as is a zip record declaring more, or
+compressed; a tensor that claims more elements than its storage holds (a stride-0 or overlapping view) is refused
+before anything copies it; and only files inside SRC are read (no link leading out).
 """
 
 from __future__ import annotations
@@ -41,12 +46,17 @@ import gzip
 import hashlib
 import io
 import logging
+import math
+import pickle
 import re
+import struct
+import warnings
+import zipfile
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -55,7 +65,16 @@ from tqdm import tqdm
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
 from eyas.paths import DEFAULT_MODEL
 from eyas.train.data import Example
-from eyas.train.hidden_states import DTYPES, HiddenStateError, new_manifest, pack_shard, write_shards
+from eyas.train.hidden_states import (
+    DTYPES,
+    MANIFEST,
+    HiddenStateError,
+    new_manifest,
+    pack_shard,
+    read_manifest,
+    write_shards,
+)
+from eyas.weights import shard_file
 
 if TYPE_CHECKING:
     from eyas.config import DeepseekV3Config
@@ -81,6 +100,16 @@ LAST_HIDDEN = ("pre-norm", "post-norm")
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # a normed row divided by the norm's weight has an RMS of 1; bfloat16 storage moves it by well under 1%
 UNIT_RMS_TOLERANCE = 0.02
+# the widest elements a file may store: float32 states (the widest of DTYPES), int64 token ids and loss mask
+STATE_BYTES, ID_BYTES = 4, 8
+# a file's bytes besides its tensors': the pickle, zip headers and 64-byte record alignment, a conversation id
+# (a few KB in the tools' files)
+FILE_OVERHEAD_BYTES = 4 << 20
+GZIP_CHUNK_BYTES = 1 << 20
+MAX_FILE_BYTES = 64 << 30  # load_pickle's limit where no target is given: generous, yet a bound on a .gz stream
+# torch.save writes six records besides one per storage, each ~100 bytes of central directory; thousands are no
+# torch file, and Python's zipfile holds ~10x the directory's size in memory while reading it
+MAX_ZIP_RECORDS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +179,14 @@ def resolve_layout(fmt: SourceFormat, given_ids: Sequence[int], convention: str 
                   vocab_size=vocab_size, max_tokens=max_tokens)
 
 
+def max_file_bytes(layout: Layout) -> int:
+    """The most bytes one file of `layout` can hold: max_tokens rows of every state it holds (float32, the widest
+    stored), of token ids and of loss mask (int64), and the pickle's own. A file or .gz stream larger is refused
+    unread: memory for a file stays within what a real one of this target needs, whatever the file claims."""
+    states = len(layout.file_ids) + (layout.fmt.name != "vllm")  # the pickles hold the last hidden state apart
+    return layout.max_tokens * (states * layout.hidden_size * STATE_BYTES + 2 * ID_BYTES) + FILE_OVERHEAD_BYTES
+
+
 # -- finding and opening files -----------------------------------------------------------------------------------
 
 def _natural_key(path: Path) -> list:
@@ -157,50 +194,156 @@ def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.as_posix())]
 
 
+def _leads_outside(path: Path, root: Path) -> bool:
+    """Whether `path`, its links followed, lies outside `root` (resolved)."""
+    return not path.resolve().is_relative_to(root)
+
+
 def list_source_files(src: Path, fmt: SourceFormat) -> list[Path]:
-    """The dump's files under `src`, in natural order of their paths relative to it (deterministic)."""
+    """The dump's files under `src`, in natural order of their paths relative to it (deterministic). A link to a
+    file outside `src` is refused: a dump from elsewhere must not make the import read (and copy into OUT) any
+    other file of this machine. rglob follows no directory link, so only file links can lead out."""
     if not src.is_dir():
         raise HiddenStateError(f"{src}: no such directory")
     files = {p for pattern in fmt.patterns for p in src.rglob(pattern) if p.is_file()}
     if not files:
         raise HiddenStateError(f"{src}: no {' or '.join(fmt.patterns)} files; is it a {fmt.name} dump?")
+    root = src.resolve()
+    for path in files:
+        if _leads_outside(path, root):
+            raise HiddenStateError(f"{path}: links to {path.resolve()}, outside {src}: refused (the import reads "
+                                   "only files inside the dump directory)")
     return sorted(files, key=lambda p: _natural_key(p.relative_to(src)))
 
 
-def load_pickle(path: Path, metadata_keys: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+def _check_size(path: Path, size: int, limit: int, what: str) -> None:
+    if size > limit:
+        raise HiddenStateError(f"{path}: {what} {size} bytes, more than a file of this target can hold ({limit} "
+                               "bytes: the longest sequence it takes, its states in float32): refused")
+
+
+def _gunzip(path: Path, limit: int) -> io.BytesIO:
+    """The decompressed stream of `path`, read a chunk at a time and refused once past `limit`: a gzip bomb
+    (1000:1 for zeros) costs at most `limit` bytes, not its expanded size. One buffer, handed to torch.load."""
+    out = io.BytesIO()
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(GZIP_CHUNK_BYTES):
+            _check_size(path, out.tell() + len(chunk), limit, "decompresses to more than")
+            out.write(chunk)
+    out.seek(0)
+    return out
+
+
+def _check_zip_records(path: Path, f: BinaryIO, limit: int) -> None:
+    """Refuse a torch.save zip whose records declare more than `limit` bytes in all, or are compressed (torch
+    stores them as they are; torch.load would inflate one to whatever size it declares), reading only its end
+    record and central directory. A file torch.load reads as no zip (the pre-1.6 format) has its storages read
+    as stored, within the file's size."""
+    if f.read(4) != b"PK\x03\x04":  # torch.load's own test for its zip format
+        f.seek(0)
+        return
+    if f.seek(0, io.SEEK_END) < 22:
+        raise HiddenStateError(f"{path}: a zip too short to hold its end record: refused")
+    f.seek(-22, io.SEEK_END)
+    end = f.read(22)  # torch.save's zip ends in its end-of-central-directory record, with no comment after it
+    if end[:4] != b"PK\x05\x06":
+        raise HiddenStateError(f"{path}: a zip cut short, or with a comment after its end record (torch.save "
+                               "writes none): refused")
+    records, directory_bytes = struct.unpack("<HI", end[10:16])
+    if records > MAX_ZIP_RECORDS or directory_bytes > MAX_ZIP_RECORDS * 1024:
+        raise HiddenStateError(f"{path}: a zip of {records} records ({directory_bytes} bytes of central "
+                               f"directory); a torch.save file has a few: refused")
+    f.seek(0)
+    with zipfile.ZipFile(f) as z:
+        infos = z.infolist()
+    f.seek(0)
+    _check_size(path, sum(i.file_size for i in infos), limit, "its zip records declare")
+    packed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise HiddenStateError(f"{path}: zip records {packed[:3]} are compressed; torch.save stores every record "
+                               "as it is: refused")
+
+
+def _check_stored(path: Path, key: str, t: torch.Tensor) -> None:
+    """Refuse a tensor that is not plain stored data: a pickle may declare a view with stride 0 (or overlapping
+    strides) over a tiny storage, which any copy (.contiguous(), .to(), a concatenation) expands to its full
+    size. Checked on the declared shape, strides and storage before anything reads the tensor."""
+    kind = ("quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+            if t.layout != torch.strided else None if t.device.type == "cpu" else t.device.type)
+    if kind is not None:
+        raise HiddenStateError(f"{path}: {key!r} is a {kind} tensor; expected a dense CPU tensor: refused")
+    shape, strides = list(t.shape), list(t.stride())
+    if any(stride == 0 and size > 1 for size, stride in zip(shape, strides)):
+        raise HiddenStateError(f"{path}: {key!r} is {shape} with strides {strides}: a stride-0 view repeating "
+                               "its stored elements, not stored data: refused")
+    held = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    if math.prod(shape) > held:
+        raise HiddenStateError(f"{path}: {key!r} is {shape} with strides {strides}: {math.prod(shape)} elements "
+                               f"over a storage holding {held}, an overlapping view, not stored data: refused")
+
+
+def _load_error(e: Exception) -> str:
+    """Why torch.load failed, in one line of our own: never torch's advice to load with weights_only=False."""
+    if isinstance(e, pickle.UnpicklingError):
+        # torch replaces its unpickler's message with advice; the message itself is the exception replaced
+        message = str(e.__context__ or e)
+        found = (re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module)", message)
+                 or re.search(r"but got (.+)$", message))
+        detail = found.group(1) if found else message.splitlines()[0][:200] if message else ""
+        if not detail or "weights_only" in detail:
+            detail = "a pickle instruction torch.load(weights_only=True) does not run"
+        return f"holds objects other than tensors ({detail}): refused"
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    said = "" if not first or "weights_only" in first else f": {first}"
+    return f"cannot be read as a torch.save file of tensors ({type(e).__name__}{said})"
+
+
+def load_pickle(path: Path, metadata_keys: frozenset[str] = frozenset(),
+                max_bytes: int = MAX_FILE_BYTES) -> dict[str, torch.Tensor]:
     """A torch.save'd dict of tensors, loaded with weights_only=True (memory-mapped when the file allows);
-    `metadata_keys` may hold a string or a number, every other key a tensor."""
+    `metadata_keys` may hold a string or a number, every other key a tensor. A file or .gz stream larger than
+    `max_bytes`, zip records declaring more, and tensors claiming more than their storage holds are refused
+    before they are read; every refusal is one line naming the file."""
+    gzipped = path.name.endswith(".gz")
+    _check_size(path, path.stat().st_size, max_bytes, "holds")
     try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                obj = torch.load(io.BytesIO(f.read()), weights_only=True, map_location="cpu")
-        else:
-            try:
-                obj = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                obj = torch.load(path, weights_only=True, map_location="cpu")  # the pre-1.6 format has no mmap
+        with warnings.catch_warnings():  # torch warns of pickle protocols and storages: the error says what counts
+            warnings.simplefilter("ignore")
+            if gzipped:
+                buffer = _gunzip(path, max_bytes)
+                _check_zip_records(path, buffer, max_bytes)
+                obj = torch.load(buffer, weights_only=True, map_location="cpu")
+            else:
+                with open(path, "rb") as f:
+                    _check_zip_records(path, f, max_bytes)
+                try:
+                    obj = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+                except RuntimeError as e:
+                    if "mmap" not in str(e):
+                        raise
+                    obj = torch.load(path, weights_only=True, map_location="cpu")  # the pre-1.6 format has no mmap
+    except HiddenStateError:
+        raise
     except Exception as e:  # torch.load raises UnpicklingError, RuntimeError, EOFError, gzip errors...
-        unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        why = (f"it holds a {unsupported.group(1)} object, not only tensors" if unsupported
-               else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-        raise HiddenStateError(f"{path}: cannot be loaded as a pickle of plain tensors (torch.load with "
-                               f"weights_only=True: {why})") from e
+        raise HiddenStateError(f"{path}: {_load_error(e)}") from e
     if not isinstance(obj, dict):
         raise HiddenStateError(f"{path}: holds a {type(obj).__name__}; expected a dict of tensors")
     tensors = {}
     for key, value in obj.items():
         if isinstance(value, torch.Tensor) and isinstance(key, str):
+            _check_stored(path, key, value)
             tensors[key] = value
         elif not (key in metadata_keys and isinstance(value, (str, int))):
             raise HiddenStateError(f"{path}: key {key!r} holds a {type(value).__name__}; expected a tensor")
     return tensors
 
 
-def load_vllm_file(path: Path, with_states: bool) -> dict[str, torch.Tensor]:
+def load_vllm_file(path: Path, with_states: bool, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """token_ids and hidden_states of a connector file; without `with_states`, hidden_states is a meta tensor
-    of its shape and dtype (nothing read)."""
+    of its shape and dtype (nothing read). A file larger than `max_bytes` is refused unread (safetensors checks
+    that its header's shapes fit the file, and stores no views)."""
+    if max_bytes is not None:
+        _check_size(path, path.stat().st_size, max_bytes, "holds")
     lock = path.with_name(path.name + ".lock")
     if lock.exists():  # the connector holds an exclusive flock on it until the file is written
         with open(lock) as f:
@@ -252,7 +395,7 @@ def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> Dumpe
     fmt, H = layout.fmt, layout.hidden_size
     n = len(layout.file_ids)
     if fmt.name == "vllm":
-        tensors = load_vllm_file(path, with_states)
+        tensors = load_vllm_file(path, with_states, max_file_bytes(layout))
         ids = _tensor(path, tensors, "token_ids", 1, "[T]")
         states = _tensor(path, tensors, "hidden_states", 3, f"[T, {n}, {H}]")
         if tuple(states.shape[1:]) != (n, H):
@@ -260,7 +403,7 @@ def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> Dumpe
                                    f"(--aux-layer-ids gives {n} ids; the target's hidden size is {H})")
         mask, last, ids_key = None, states[:, layout.last_slot], "token_ids"
     else:
-        tensors = load_pickle(path, fmt.metadata_keys)
+        tensors = load_pickle(path, fmt.metadata_keys, max_file_bytes(layout))
         last_key, aux_key = ("hidden_states", "aux_hidden_states") if fmt.name == "modelopt" else \
             ("hidden_state", "aux_hidden_state")
         ids = _tensor(path, tensors, "input_ids", 1, "[T]")
@@ -276,9 +419,13 @@ def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> Dumpe
         if flat.shape[0] != last.shape[0]:
             raise HiddenStateError(f"{path}: {last_key!r} has {last.shape[0]} rows, {aux_key!r} {flat.shape[0]}; "
                                    "expected one per token in both")
-        states, ids_key = flat.view(flat.shape[0], n, H), "input_ids"
+        # a view of a contiguous file's states; a copy of no more than the file holds (load_pickle saw to it)
+        states, ids_key = flat.reshape(flat.shape[0], n, H), "input_ids"
     T = states.shape[0]
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    if not 1 <= T <= layout.max_tokens:
+        raise HiddenStateError(f"{path}: holds {T} tokens; the target takes 1..{layout.max_tokens} "
+                               "(max_position_embeddings)")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise HiddenStateError(f"{path}: {ids_key!r} is {ids.dtype}; expected integer token ids")
     for key, t in ((ids_key, ids), ("loss_mask", mask)):
         if t is not None and t.shape[0] < T:
@@ -294,9 +441,6 @@ def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> Dumpe
             raise HiddenStateError(f"{path}: {ids_key!r} has {ids.shape[0]} entries for {T} rows of hidden "
                                    "states; expected one per row")
         ids, mask = ids[:T], mask[:T]
-    if not 1 <= T <= layout.max_tokens:
-        raise HiddenStateError(f"{path}: holds {T} tokens; the target takes 1..{layout.max_tokens} "
-                               "(max_position_embeddings)")
     for t in (states, last):
         if t.dtype not in DTYPES.values():
             raise HiddenStateError(f"{path}: holds {t.dtype} hidden states; expected one of {sorted(DTYPES)}")
@@ -376,6 +520,22 @@ def files_fingerprint(src: Path, files: Sequence[Path]) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _check_listed_shards(out: Path) -> None:
+    """Refuse an earlier run's manifest in `out` that lists a shard anywhere but a plain file in `out`, as a
+    safetensors index must name its shards: a resumed import keeps every shard its manifest lists, and training
+    then reads them, so a name that is absolute, holds `..`, or is a link leading out would make either read
+    another file of this machine."""
+    if not (out / MANIFEST).is_file():
+        return
+    shards = read_manifest(out).get("shards", [])
+    for entry in shards if isinstance(shards, list) else [shards]:
+        name = entry.get("file") if isinstance(entry, dict) else entry
+        path = shard_file(out, name)
+        if path is None or _leads_outside(path, out.resolve()):
+            raise HiddenStateError(f"{out / MANIFEST}: lists shard {name!r}, which is not a file in {out}: "
+                                   "refused (a dump's shards are plain files in its directory)")
+
+
 def import_hidden_states(src: str | Path, out_dir: str | Path, layout: Layout, config: DeepseekV3Config,
                          target_path: str | Path, norm_weight: torch.Tensor,
                          records: Sequence[Example] | None = None, dtype: torch.dtype | None = None,
@@ -392,6 +552,7 @@ def import_hidden_states(src: str | Path, out_dir: str | Path, layout: Layout, c
     files = [f for f in list_source_files(src, layout.fmt) if out not in f.resolve().parents]
     if not files:
         raise HiddenStateError(f"{src}: no {layout.fmt.name} files outside {out_dir}")
+    _check_listed_shards(out)
     examples, dtype = index_files(files, layout, records, norm_weight, dtype)
     dtype_name = next(name for name, d in DTYPES.items() if d == dtype)
     manifest = new_manifest(config, target_path, examples, layout.aux_ids, dtype_name, examples_per_shard,
