@@ -1,6 +1,7 @@
 """`eyas eval`: acceptance per category through the real engine, and its report files."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,32 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["categories"]["chat"]["requests"] == 2 and report["categories"]["code"]["requests"] == 1
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_out_the_report_and_plot_land_beside_the_draft(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from eyas.eval.acceptance import default_report_path
+    from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    def spec(method, draft=None):
+        return SimpleNamespace(method=method, draft_model=draft)
+
+    assert default_report_path(spec("eagle", "runs/mla/draft"), DEFAULT_MODEL) == Path("runs/mla/draft-eval.json")
+    assert default_report_path(spec("eagle", str(DEFAULT_DRAFT)), DEFAULT_MODEL) == Path(
+        f"eval-{DEFAULT_DRAFT.name}.json")  # never into the installed package
+    assert default_report_path(spec("mtp"), DEFAULT_MODEL) == Path(f"eval-mtp-{DEFAULT_MODEL.name}.json")
+    if not (DEFAULT_MODEL / "model.safetensors").is_file():
+        pytest.skip("no shipped model")
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "code", "prompt": "def f(x):\n"}) + "\n")
+    assert cli(["eval", str(prompts), "--speculative-method", "mtp", "--max-new-tokens", "4",
+                "--speed-prompts", "0"]) == 0
+    out = tmp_path / f"eval-mtp-{DEFAULT_MODEL.name}.json"
+    assert json.loads(out.read_text())["overall"]["requests"] == 1
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote eval-mtp-{DEFAULT_MODEL.name}.json and" in capsys.readouterr().err
 
 
 def test_bad_prompts_file(tmp_path):

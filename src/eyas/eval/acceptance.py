@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from eyas.client import add_server_args
 from eyas.engine_args import EngineArgs
+from eyas.paths import EXAMPLES
 from eyas.records import read_eval_prompts
 from eyas.sampling_params import SamplingParams
 
@@ -61,8 +63,9 @@ def is_repetitive(token_ids: list[int]) -> bool:
     return repeated_share(token_ids) > REPETITIVE_SHARE
 
 
-def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
-    """Run every record (turn by turn, all records batched per turn); aggregate acceptance per category."""
+def evaluate(llm, records: list[dict], params: SamplingParams, progress: bool = False) -> dict:
+    """Run every record (turn by turn, all records batched per turn); aggregate acceptance per category.
+    `progress`: a progress bar per turn on stderr."""
     counts: dict[str, dict] = defaultdict(lambda: {**_totals(), "non_repetitive": _totals()})
     histories: list[list[dict]] = [[] for _ in records]
     num_turns = [len(r["turns"]) if r["turns"] else 1 for r in records]
@@ -75,7 +78,7 @@ def evaluate(llm, records: list[dict], params: SamplingParams) -> dict:
                 prompts.append(list(histories[i]))
             else:
                 prompts.append(records[i]["prompt"])
-        for i, out in zip(active, llm.generate(prompts, params)):
+        for i, out in zip(active, llm.generate(prompts, params, use_tqdm=progress)):
             if records[i]["turns"]:
                 histories[i].append({"role": "assistant", "content": out.text})
             repetitive = is_repetitive(out.token_ids)
@@ -277,8 +280,8 @@ def draft_title(spec, model: Path) -> str:
     """What a plot is of: the draft (its architecture and directory) and the target."""
     if spec.method == "mtp":
         return f"MTP layer of {Path(model).name}, K={spec.num_speculative_tokens}"
-    path = Path(spec.draft_model).resolve()
-    name = f"{path.parent.name}/{path.name}" if path.name in ("draft", "checkpoint") else path.name
+    path = Path(spec.draft_model)
+    name = str(path) if path.name in ("draft", "checkpoint") else path.name  # runs/x/draft, not draft/draft
     try:
         arch = json.loads((path / "config.json").read_text())["architectures"][0]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
@@ -296,7 +299,8 @@ def plot_report(report: dict, png: Path, title: str) -> None:
     fig, (ax_al, ax_pos) = plt.subplots(1, 2, figsize=(11, 4))
     values = [report["categories"][c]["acceptance_length"] for c in categories] + [
         report["overall"]["acceptance_length"]]
-    ax_al.bar(categories + ["overall"], values, color=["C0"] * len(categories) + ["C1"])
+    bars = ax_al.bar(categories + ["overall"], values, color=["C0"] * len(categories) + ["C1"])
+    ax_al.bar_label(bars, fmt="%.2f", fontsize=8)
     ax_al.set(ylabel="acceptance length (tokens / verify step)", title="acceptance length per category")
     ax_al.tick_params(axis="x", rotation=30)
     for category in categories:
@@ -322,7 +326,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png)")
+    p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png); default: "
+                   "beside the draft's directory, DRAFT-eval.json (eval-mtp.json for mtp; in the current directory "
+                   "for a bundled draft or with --server: eval-NAME.json)")
     p.add_argument("--server", metavar="URL", help="measure a running server instead (vLLM, SGLang, MAX, eyas "
                    "serve; e.g. http://127.0.0.1:8000): acceptance from the deltas of its vllm:spec_decode_* "
                    "counters (SGLang: each response's meta_info.spec_verify_ct); the speculative options and "
@@ -348,8 +354,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     records = read_eval_prompts(args.prompts)
     llm = engine.build_llm()
     params = _params(args)
-    report = evaluate(llm, records, params)
+    report = evaluate(llm, records, params, progress=True)
     if args.speed_prompts > 0:
+        print(f"timing {args.speed_prompts} prompts one at a time, plain and speculative", file=sys.stderr)
         first_turns = [r["prompt"] if r["prompt"] is not None else [{"role": "user", "content": r["turns"][0]}]
                        for r in spread(records, args.speed_prompts)]
         report["speed"] = speed_against_plain(llm, first_turns, params)
@@ -357,7 +364,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           "num_speculative_tokens": spec.num_speculative_tokens,
                           "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
                           "prompts": str(args.prompts)}
-    _write_report(report, args.out, draft_title(spec, args.model))
+    _write_report(report, args.out or default_report_path(spec, args.model), draft_title(spec, args.model))
     overall = report["overall"]
     repetitive = overall["repetitive_outputs"]
     line = (f"acceptance length {overall['acceptance_length']:.2f} over {overall['requests']} requests "
@@ -387,7 +394,8 @@ def _eval_by_server(args: argparse.Namespace) -> int:
     report["settings"] = {"server": args.server, "model": client.model, "concurrency": args.concurrency,
                           "temperature": args.temperature,
                           "max_new_tokens": args.max_new_tokens, "prompts": str(args.prompts)}
-    _write_report(report, args.out, f"{client.model} served at {args.server}")
+    out = args.out or Path(f"eval-{re.sub(r'[^A-Za-z0-9._-]+', '_', client.model).strip('_.') or 'server'}.json")
+    _write_report(report, out, f"{client.model} served at {args.server}")
     overall = report["overall"]
     non_repetitive = overall["acceptance_length_non_repetitive"]
     split = f"; {non_repetitive:.2f} over the non-repetitive outputs" if non_repetitive is not None else ""
@@ -401,11 +409,23 @@ def _params(args: argparse.Namespace) -> SamplingParams:
                           max_tokens=args.max_new_tokens)
 
 
-def _write_report(report: dict, out: Path | None, title: str) -> None:
-    """The report as JSON on stdout and, with `out`, in that file with its plot beside it."""
+def default_report_path(spec, model: Path) -> Path:
+    """Where eval writes without --out: beside the draft's directory (runs/x/draft -> runs/x/draft-eval.json), so
+    reports of several drafts do not overwrite each other; in the current directory for the MTP layer and for a
+    draft shipped with eyas (never into the installed package)."""
+    if spec.method == "mtp":
+        return Path(f"eval-mtp-{Path(model).name}.json")
+    draft = Path(spec.draft_model)
+    if draft.resolve().parent == EXAMPLES.resolve():
+        return Path(f"eval-{draft.name}.json")
+    return draft.parent / f"{draft.name}-eval.json"
+
+
+def _write_report(report: dict, out: Path, title: str) -> None:
+    """The report as JSON on stdout and in `out`, with its plot beside it."""
     text = json.dumps(report, indent=2)
     print(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        plot_report(report, out.with_suffix(".png"), title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    plot_report(report, out.with_suffix(".png"), title)
+    print(f"wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
