@@ -293,6 +293,23 @@ def test_missing_or_corrupt_shard_is_named(target, examples, tmp_path):
         HiddenStateShards(tmp_path)[3]
 
 
+def test_a_manifest_naming_files_outside_its_dump_is_refused(target, examples, tmp_path):
+    """A dump's manifest.json names its shards; one that names a path outside the dump directory (absolute, `..`,
+    a subdirectory) is refused before any file is opened, as a safetensors index naming such a path is."""
+    import json
+
+    dump = tmp_path / "dump"
+    dump_hidden_states(target, examples, dump, (2, 4, 5), examples_per_shard=2)
+    manifest = json.loads((dump / "manifest.json").read_text())
+    secret = tmp_path / "elsewhere.safetensors"
+    secret.write_bytes((dump / "shard-00000.safetensors").read_bytes())
+    for name in (str(secret), "../elsewhere.safetensors", "sub/shard-00000.safetensors", 7):
+        (dump / "manifest.json").write_text(json.dumps({**manifest, "shards": [{**manifest["shards"][0],
+                                                                                 "file": name}]}))
+        with pytest.raises(HiddenStateError, match=r"shards\[0\] names .*expected the file name of a shard"):
+            HiddenStateShards(dump)
+
+
 def test_dump_cli_converts_layer_output_ids(target_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVERSATION}, sharegpt(CONVERSATION[1:3]),
                                               {"text": "hello"}])

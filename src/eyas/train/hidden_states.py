@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eyas.train.data import Example
+from eyas.weights import shard_file
 
 if TYPE_CHECKING:
     from eyas.config import DeepseekV3Config
@@ -123,6 +124,13 @@ def read_manifest(directory: str | Path, name: str = MANIFEST) -> dict:
     missing = [key for key in MANIFEST_KEYS if key not in manifest]
     if missing:
         raise HiddenStateError(f"{path}: missing fields {missing}")
+    if not isinstance(manifest["shards"], list):
+        raise HiddenStateError(f"{path}: field 'shards' is not a list")
+    for i, shard in enumerate(manifest["shards"]):  # confined as a safetensors index's shard names are
+        if not isinstance(shard, dict) or shard_file(path.parent, shard.get("file")) is None:
+            name = shard.get("file") if isinstance(shard, dict) else shard
+            raise HiddenStateError(f"{path}: shards[{i}] names {name!r}; expected the file name of a shard in "
+                                   f"{path.parent}")
     return manifest
 
 
