@@ -335,7 +335,8 @@ def test_dump_cli_converts_layer_output_ids(target_dir, tmp_path, capsys):
 
 def test_auto_draft_vocab_size():
     """The default draft vocabulary: the fewest ids, rounded up to 256, covering 95% of the loss tokens, never more
-    ids than the data has, and the whole vocabulary when that would be more than half of it."""
+    ids than the data has, and the whole vocabulary when that would be more than half of it or when the data has
+    under 256 distinct loss tokens."""
     import torch
 
     from eyas.train.vocab import auto_draft_vocab_size
@@ -345,8 +346,10 @@ def test_auto_draft_vocab_size():
     counts[300:3000] = 1  # a tail of 2,700 rare ids
     assert auto_draft_vocab_size(counts) == 512  # 300 ids cover 99%: rounded up to 512
     few = torch.zeros(8192, dtype=torch.int64)
-    few[:61] = 5
-    assert auto_draft_vocab_size(few) == 61  # no padding past the ids the data has
+    few[:300] = 5
+    assert auto_draft_vocab_size(few) == 300  # no padding past the ids the data has
+    few[61:] = 0
+    assert auto_draft_vocab_size(few) == 8192  # 61 distinct ids: too little data to choose from
     flat = torch.ones(8192, dtype=torch.int64)
     assert auto_draft_vocab_size(flat) == 8192  # 95% needs 7,783 ids: more than half, so the whole vocabulary
     assert auto_draft_vocab_size(torch.zeros(100, dtype=torch.int64)) == 100

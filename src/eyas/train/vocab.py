@@ -58,16 +58,20 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
 
 
 AUTO_COVERAGE = 0.95
+# Data with fewer distinct loss tokens than this is too small to choose a draft vocabulary from: the draft learns
+# the target's next token, which on such data mostly falls outside the few ids it has (12 conversations gave 4 ids,
+# and every position was then dropped from the loss: nothing trained).
+AUTO_MIN_IDS = 256
 
 
 def auto_draft_vocab_size(counts: torch.Tensor, coverage: float = AUTO_COVERAGE, multiple: int = 256) -> int:
     """The draft vocabulary `eyas train` picks by default: the fewest ids (a multiple of `multiple`, or every id the
     data has if fewer) whose tokens make up `coverage` of the loss tokens; the whole vocabulary when that would keep
-    more than half of it, where a smaller head saves little. The vocabulary-wide head is the draft's largest matmul,
-    paid at every draft step."""
+    more than half of it, where a smaller head saves little, or when the data has fewer than AUTO_MIN_IDS distinct
+    loss tokens. The vocabulary-wide head is the draft's largest matmul, paid at every draft step."""
     vocab_size = counts.shape[0]
     cumulative = counts.sort(descending=True).values.cumsum(0)
-    if cumulative[-1] == 0:
+    if cumulative[-1] == 0 or int((counts > 0).sum()) < min(AUTO_MIN_IDS, vocab_size):
         return vocab_size
     needed = int((cumulative < coverage * cumulative[-1]).sum()) + 1
     # rounded up, but never past the ids the data has: the rest would be padding that never occurs
