@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 
 from eyas.config import DeepseekV3Config, read_config_json
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, TargetHead
+from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
+from eyas.models.dflash import DFlashConfig, DFlashDraft
 from eyas.models.eagle3 import (
     SWITCH_WEIGHTS,
     Eagle3Config,
@@ -185,6 +187,30 @@ def _refuse_a_mismatched_draft(path: Path, raw: dict, target: DeepseekV3ForCausa
                               f"target_hidden_size {wanted}, the target's hidden size is {target.config.hidden_size}; "
                               f"pass the target it was trained for as --model, or `eyas inspect TARGET {path}` to "
                               "compare the two")
+
+
+def load_dflash_draft(path: str | Path, target: DeepseekV3ForCausalLM) -> DFlashDraft:
+    """Load a DFlash block draft in z-lab's layout (config.json with `dflash_config`, weights `fc`,
+    `hidden_norm`, `layers.{i}.*`, `norm`) for `target`, whose embedding and lm_head it shares. Its config is
+    checked against the target, and a weight the draft does not take is an error naming it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such draft directory")
+    raw = read_config_json(path / "config.json", "a DFlash draft checkpoint directory")
+    config = DFlashConfig.from_hf(raw, target.config, str(path / "config.json"))
+    weight = target.lm_head.weight
+    tensors = load_weights(path, weight.dtype)
+    targets = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": weight}
+    for key in [k for k in tensors if k in DFLASH_SHARED_WEIGHTS]:  # a copy of the target's is dropped
+        if tensors[key].shape != targets[key].shape or not torch.equal(tensors[key], targets[key]):
+            raise CheckpointError(f"{path}: {key!r} differs from the target's; a DFlash draft uses the target's "
+                                  "embedding and lm_head")
+        del tensors[key]
+    with torch.device("meta"):
+        draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
+    assign_weights(draft, tensors, path, weight.device, shared=DFLASH_SHARED_WEIGHTS)
+    draft.rotary = Rotary(config.rope, config.max_position_embeddings).to(weight.device)
+    return draft.eval()
 
 
 def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,

@@ -41,6 +41,8 @@ from torch import nn
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
 from eyas.checkpoint import load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
+from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
+from eyas.models.dflash import DFlashDraft
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -277,6 +279,15 @@ def save_draft(draft: Eagle3Draft, path: str | Path, fmt: str = "eyas", dtype: t
     dtype = dtype or draft.fc.weight.dtype
     config = draft_config_dict(draft, fmt, dtype, rope_scaling, verifier, num_speculative_tokens)
     return _write_checkpoint(Path(path), draft_tensors(draft, fmt, dtype), config)
+
+
+def save_dflash_draft(draft: DFlashDraft, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write a DFlash draft in z-lab's layout, which vLLM (`method: dflash`) and SGLang load: its own weights only
+    (the target's embedding and lm_head are the engine's)."""
+    dtype = dtype or draft.fc.weight.dtype
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in draft.state_dict().items()
+               if k not in DFLASH_SHARED_WEIGHTS}
+    return _write_checkpoint(Path(path), tensors, {**draft.config.to_hf(), "torch_dtype": str(dtype).split(".")[-1]})
 
 
 def stored_dtype(path: str | Path) -> torch.dtype | None:

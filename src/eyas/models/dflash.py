@@ -1,0 +1,264 @@
+"""DFlash block drafts (arXiv 2602.06036), in the layout z-lab publishes and vLLM and SGLang load: N Qwen3-style
+decoder layers that propose a whole block of tokens in one forward, where an EAGLE-3 draft takes K sequential steps.
+
+    ctx   = hidden_norm(fc(cat(target hidden states at target_layer_ids)))     # [C, H], every committed position
+    block = embed([anchor, MASK, ..., MASK])                                     # [B, H], B = block_size
+    in each layer:  q from the block;  k = k_norm(k_proj(cat(ctx, block))),  v = v_proj(cat(ctx, block)),
+                    rope at the context's and the block's positions; the block attends to all of its context and,
+                    non-causally, to the whole block
+    norm, then the target's lm_head at block rows 1..B-1: the B-1 drafts
+
+The context enters every layer only through that layer's k_proj/v_proj, so its keys and values can be computed once
+per committed position and kept (`context_kv`), as a KV cache is; the block's own are recomputed each time.
+`target_layer_ids` are 0-based decoder-layer outputs (hidden_states[id + 1]), z-lab's convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
+
+ARCHITECTURE = "DFlashDraftModel"
+# dflash_config keys eyas runs as they are; any other is a switch eyas does not implement, so an error
+DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id")
+SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's
+
+
+def _wrong(source: str, name: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{source}: field {name!r} is {value!r}; expected {expected}")
+
+
+@dataclass(slots=True)
+class DFlashConfig:
+    """A DFlash draft as eyas runs it: full (non-sliding) attention, non-causal within the block."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]  # 0-based decoder-layer outputs of the target
+    mask_token_id: int  # the embedding row the block's masked positions read
+    vocab_size: int  # the target's
+    num_target_layers: int
+    rope: RopeConfig
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    source: str = "config.json"
+
+    def __post_init__(self) -> None:
+        src = self.source
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "num_target_layers", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _wrong(src, name, value, "a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _wrong(src, "num_key_value_heads", self.num_key_value_heads,
+                         f"a divisor of num_attention_heads ({self.num_attention_heads})")
+        if not isinstance(self.block_size, int) or not 2 <= self.block_size <= 64:
+            raise _wrong(src, "block_size", self.block_size, "an integer in 2..64 (the anchor and its drafts)")
+        ids = self.target_layer_ids
+        if (not ids or len(set(ids)) != len(ids) or
+                not all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in ids)):
+            raise _wrong(src, "dflash_config.target_layer_ids", list(ids),
+                         f"distinct decoder-layer indices in 0..{self.num_target_layers - 1}")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise _wrong(src, "dflash_config.mask_token_id", self.mask_token_id,
+                         f"a token id below vocab_size {self.vocab_size}")
+
+    @classmethod
+    def from_hf(cls, raw: dict, target: DeepseekV3Config, source: str = "config.json") -> DFlashConfig:
+        """The draft described by a z-lab DFlash config.json, checked against its `target`: every switch eyas
+        does not run (sliding-window layers, causal blocks, MLA-shaped layers) is an error naming it."""
+        names = raw.get("architectures") or []
+        if ARCHITECTURE not in names:
+            raise _wrong(source, "architectures", names, f'["{ARCHITECTURE}"]')
+        dflash = raw.get("dflash_config")
+        if not isinstance(dflash, dict):
+            raise _wrong(source, "dflash_config", dflash, "a mapping with target_layer_ids and mask_token_id")
+        unknown = sorted(set(dflash) - set(DFLASH_CONFIG_KEYS) - {"causal"})
+        if unknown:
+            raise ConfigError(f"{source}: dflash_config sets {unknown}, which eyas does not run (it runs "
+                              f"{', '.join(DFLASH_CONFIG_KEYS)} and causal: false)")
+        if dflash.get("causal", False) is not False:
+            raise _wrong(source, "dflash_config.causal", dflash["causal"], "false (eyas runs non-causal blocks)")
+        layer_types = raw.get("layer_types")
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise _wrong(source, "layer_types", layer_types, 'only "full_attention" (sliding-window DFlash layers '
+                         "are not supported)")
+        if raw.get("use_sliding_window"):
+            raise _wrong(source, "use_sliding_window", raw["use_sliding_window"], "false")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise _wrong(source, "hidden_act", raw["hidden_act"], '"silu"')
+        if raw.get("hidden_size") != target.hidden_size:
+            raise _wrong(source, "hidden_size", raw.get("hidden_size"), f"the target's hidden size "
+                         f"{target.hidden_size} (the draft fuses its hidden states and shares its embedding)")
+        if raw.get("vocab_size", target.vocab_size) != target.vocab_size:
+            raise _wrong(source, "vocab_size", raw["vocab_size"], f"the target's {target.vocab_size}")
+        heads = raw.get("num_attention_heads")
+        head_dim = raw.get("head_dim") or (raw["hidden_size"] // heads if isinstance(heads, int) and heads else 0)
+        max_positions = int(raw.get("max_position_embeddings", target.max_position_embeddings))
+        rope = RopeConfig.from_hf(raw, head_dim, max_positions, source)
+        rope.interleave = bool(raw.get("rope_interleave", False))  # Qwen3 rotates halves
+        num_target_layers = raw.get("num_target_layers", target.num_hidden_layers)
+        if num_target_layers != target.num_hidden_layers:
+            raise _wrong(source, "num_target_layers", num_target_layers,
+                         f"the target's num_hidden_layers {target.num_hidden_layers}")
+        return cls(hidden_size=raw["hidden_size"], num_hidden_layers=raw.get("num_hidden_layers"),
+                   num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
+                   head_dim=head_dim, intermediate_size=raw.get("intermediate_size"),
+                   block_size=raw.get("block_size"), target_layer_ids=tuple(dflash.get("target_layer_ids") or ()),
+                   mask_token_id=dflash.get("mask_token_id"), vocab_size=target.vocab_size,
+                   num_target_layers=num_target_layers, rope=rope, max_position_embeddings=max_positions,
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   attention_bias=bool(raw.get("attention_bias", False)), source=source)
+
+    def to_hf(self) -> dict:
+        """config.json in z-lab's layout (a Qwen3 config), as vLLM (`method: dflash`) and SGLang read it."""
+        return {
+            "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias, "tie_word_embeddings": False, "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            **self.rope.to_hf(), "rope_interleave": self.rope.interleave,
+        }
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's choice: one id per draft layer, spread evenly from 1 to L - 3 (one layer: L // 2)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        H, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(H, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, H, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.interleave = config.rope.interleave
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] (context states, or the block's normed rows) -> k, v [B, kv_heads, T, head_dim]."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        k = apply_rope(k, cos.unsqueeze(2), sin.unsqueeze(2), self.interleave)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
+                context_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, R, H] normed block rows; context_k/v [B, kv_heads, C, head_dim]; mask [B, 1, R, C + R] (True:
+        attend) or None (every row sees everything) -> [B, R, H]."""
+        B, R, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, R, self.num_heads, self.head_dim))
+        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2), self.interleave).transpose(1, 2)
+        block_k, block_v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([context_k, block_k], dim=2), torch.cat([context_v, block_v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, R, self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: tuple[torch.Tensor, ...],
+                mask: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, *context_kv, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """The draft's own weights (`fc`, `hidden_norm`, `layers`, `norm`) over the target's embedding and lm_head,
+    which it shares (SHARED_WEIGHTS: neither saved with the draft nor trained)."""
+
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.embed_tokens = embed_tokens  # the target's, shared: their keys are not the draft's own weights
+        self.lm_head = lm_head
+        self.rotary = Rotary(config.rope, config.max_position_embeddings)
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """target_hidden [B, C, n * H] (the target's states at target_layer_ids, concatenated in that order) at
+        `positions` [B, C] -> per layer (k, v) [B, kv_heads, C, head_dim]: what a context position contributes to
+        every block after it, computed once."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary(positions)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def block_input_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [...] -> [..., block_size]: each anchor token followed by block_size - 1 mask tokens."""
+        block = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
+        block[..., 0] = anchors
+        return block
+
+    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor,
+                context_kv: list[tuple[torch.Tensor, ...]], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """block_ids, block_positions [B, R] (one or more blocks per row of the batch) over `context_kv` (from
+        context_kv, C positions) -> [B, R, H], after the final norm; `mask` [B, 1, R, C + R] says which context
+        positions and block rows each block row sees (None: all)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(block_positions)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, kv, mask)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int,
+                         context_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask of many blocks over one shared context, as training runs them (one forward per sequence).
+
+    anchors [B, A]: the position of each block's anchor (-1: no block); row (a, i) of the block part sees context
+    position j when j < anchors[b, a] (and context_valid[b, j]), and every row of its own block, none of another's.
+    Returns [B, 1, A * block_size, context_len + A * block_size] (True: attend).
+
+    Example, block_size 2, context_len 4, anchors [[1, 3]]: block rows 0-1 see context 0 and themselves; rows 2-3
+    see context 0-2 and themselves.
+    """
+    B, A = anchors.shape
+    positions = torch.arange(context_len, device=anchors.device)
+    sees_context = positions.view(1, 1, context_len) < anchors.unsqueeze(-1)  # [B, A, C]
+    if context_valid is not None:
+        sees_context &= context_valid.unsqueeze(1)
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # [B, A * bs, C]
+    block_of = torch.arange(A * block_size, device=anchors.device) // block_size
+    sees_block = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(B, -1, -1)  # [B, A * bs, A * bs]
+    real = (anchors >= 0).repeat_interleave(block_size, dim=1).unsqueeze(-1)  # rows of absent blocks see only
+    return torch.cat([sees_context & real, sees_block], dim=-1).unsqueeze(1)  # their own block: never empty

@@ -1,0 +1,189 @@
+"""DFlash block drafts: the forward against a reference written out here from z-lab's dflash/model.py, the
+context's keys and values computed once equal to recomputing them, many blocks under one mask equal to each block
+alone, and config.json read back and refused where eyas would compute something else."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import hf_config
+
+from eyas.config import ConfigError, DeepseekV3Config
+from eyas.models.dflash import DFlashConfig, DFlashDraft, block_attention_mask, default_target_layer_ids
+
+H, VOCAB, LAYERS = 32, 96, 4
+
+
+def target_config() -> DeepseekV3Config:
+    return DeepseekV3Config.from_dict(hf_config().to_dict(), "tiny target")
+
+
+def dflash_raw(**overrides) -> dict:
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
+           "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 256, "rope_theta": 10000.0,
+           "block_size": 4, "num_target_layers": LAYERS,
+           "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": VOCAB - 1}}
+    return raw | overrides
+
+
+def make_draft(seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    config = DFlashConfig.from_hf(dflash_raw(), target_config(), "test")
+    embed, head = torch.nn.Embedding(VOCAB, H), torch.nn.Linear(H, VOCAB, bias=False)
+    draft = DFlashDraft(config, embed, head)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # norms off 1, so a missing one shows
+            elif p.dim() > 1:
+                p.normal_(0, 0.2)
+    return draft.eval()
+
+
+def reference(draft: DFlashDraft, target_hidden: torch.Tensor, block_ids: torch.Tensor, start: int) -> torch.Tensor:
+    """z-lab's forward for one sequence, written out: context positions 0..C-1, the block at start..start+B-1,
+    rotate-half rope over the whole head, k_norm then rope, GQA by repeating kv heads, no mask."""
+    c = draft.config
+    d, nh, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+
+    def rms(x, w, eps=c.rms_norm_eps):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x [T, heads, d]
+        inv = 1.0 / (c.rope.theta ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(pos.float(), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    C, B = target_hidden.shape[0], block_ids.shape[0]
+    ctx = rms(target_hidden @ draft.fc.weight.T, draft.hidden_norm.weight)
+    x = draft.embed_tokens.weight[block_ids]
+    ctx_pos, block_pos = torch.arange(C), torch.arange(start, start + B)
+    for layer in draft.layers:
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight)
+        q = rms((h @ a.q_proj.weight.T).view(B, nh, d), a.q_norm.weight)
+        k = torch.cat([(ctx @ a.k_proj.weight.T).view(C, nkv, d), (h @ a.k_proj.weight.T).view(B, nkv, d)])
+        v = torch.cat([(ctx @ a.v_proj.weight.T).view(C, nkv, d), (h @ a.v_proj.weight.T).view(B, nkv, d)])
+        k = rms(k, a.k_norm.weight)
+        pos = torch.cat([ctx_pos, block_pos])
+        q, k = rope(q, block_pos), rope(k, pos)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(B, nh * d)
+        x = x + out @ a.o_proj.weight.T
+        m = layer.mlp
+        h = rms(x, layer.post_attention_layernorm.weight)
+        x = x + (F.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return rms(x, draft.norm.weight)
+
+
+def test_the_forward_matches_the_reference():
+    draft = make_draft()
+    torch.manual_seed(1)
+    C = 11
+    target_hidden = torch.randn(C, 2 * H)
+    anchor = torch.tensor([7])
+    block = draft.block_input_ids(anchor)[0]
+    assert block.tolist() == [7, VOCAB - 1, VOCAB - 1, VOCAB - 1]
+    with torch.no_grad():
+        kv = draft.context_kv(target_hidden[None], torch.arange(C)[None])
+        out = draft(block[None], torch.arange(C, C + 4)[None], kv)[0]
+        expected = reference(draft, target_hidden, block, C)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert draft.compute_logits(out).shape == (4, VOCAB)
+
+
+def test_context_kv_computed_in_pieces_equals_it_computed_at_once():
+    """The engine keeps each committed position's keys and values and appends the next ones: per-position results
+    do not depend on which other positions were computed with them."""
+    draft = make_draft()
+    torch.manual_seed(2)
+    hidden, positions = torch.randn(1, 9, 2 * H), torch.arange(9)[None]
+    with torch.no_grad():
+        whole = draft.context_kv(hidden, positions)
+        parts = [draft.context_kv(hidden[:, a:b], positions[:, a:b]) for a, b in ((0, 4), (4, 5), (5, 9))]
+    for layer, (k, v) in enumerate(whole):
+        torch.testing.assert_close(torch.cat([p[layer][0] for p in parts], dim=2), k, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(torch.cat([p[layer][1] for p in parts], dim=2), v, rtol=1e-6, atol=1e-6)
+
+
+def test_many_blocks_under_one_mask_equal_each_block_alone():
+    """Training runs every anchor's block of a sequence in one forward over the whole sequence's context; each
+    block must compute what it computes alone over the context before its anchor (inference)."""
+    draft = make_draft()
+    torch.manual_seed(3)
+    T, bs = 12, draft.config.block_size
+    hidden, tokens = torch.randn(1, T, 2 * H), torch.randint(0, VOCAB - 1, (1, T))
+    anchors = torch.tensor([[2, 5, 9, -1]])  # the last slot holds no block
+    valid = anchors[0] >= 0
+    block_ids = draft.block_input_ids(tokens[0, anchors[0].clamp(min=0)]).reshape(1, -1)
+    block_pos = (anchors[0].clamp(min=0)[:, None] + torch.arange(bs)).reshape(1, -1)
+    mask = block_attention_mask(anchors, T, bs)
+    assert mask.shape == (1, 1, 4 * bs, T + 4 * bs)
+    with torch.no_grad():
+        together = draft(block_ids, block_pos, draft.context_kv(hidden, torch.arange(T)[None]), mask)[0]
+        for a, anchor in enumerate(anchors[0][valid].tolist()):
+            alone = draft(block_ids[:, a * bs:(a + 1) * bs], block_pos[:, a * bs:(a + 1) * bs],
+                          draft.context_kv(hidden[:, :anchor], torch.arange(anchor)[None]))[0]
+            torch.testing.assert_close(together[a * bs:(a + 1) * bs], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_of_the_docstring_example():
+    mask = block_attention_mask(torch.tensor([[1, 3]]), 4, 2)[0, 0].int().tolist()
+    assert mask == [[1, 0, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 1, 1, 0, 0],
+                    [1, 1, 1, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 1, 1]]
+
+
+def test_config_round_trips_and_refuses_what_eyas_does_not_run():
+    target = target_config()
+    config = DFlashConfig.from_hf(dflash_raw(), target, "test")
+    assert config.rope.interleave is False and config.target_layer_ids == (1, 2)
+    assert DFlashConfig.from_hf(config.to_hf(), target, "test") == config
+    for change, message in [({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5, "causal": True}},
+                             "dflash_config.causal"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5,
+                                                "attention_mode": "mla"}}, r"sets \['attention_mode'\]"),
+                            ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 5}},
+                             "target_layer_ids.*0..3"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": VOCAB}}, "mask_token_id"),
+                            ({"hidden_size": 64}, "hidden_size"), ({"num_target_layers": 61}, "num_target_layers"),
+                            ({"architectures": ["LlamaForCausalLMEagle3"]}, "architectures"),
+                            ({"block_size": 1}, "block_size"), ({"num_key_value_heads": 3}, "num_key_value_heads")]:
+        with pytest.raises(ConfigError, match=message):
+            DFlashConfig.from_hf(dflash_raw(**change), target, "test")
+
+
+def test_default_target_layer_ids_follow_z_labs_spread():
+    assert default_target_layer_ids(61, 6) == (1, 12, 24, 35, 47, 58)  # the Kimi-K2.5 DFlash draft's
+    assert default_target_layer_ids(61, 1) == (30,)
+    assert default_target_layer_ids(8, 2) == (1, 5)
+
+
+def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from tiny import make_hf_checkpoint
+
+    from eyas import load_model
+    from eyas.checkpoint import CheckpointError, load_dflash_draft
+    from eyas.export import save_dflash_draft
+
+    make_hf_checkpoint(tmp_path / "target")
+    target = load_model(tmp_path / "target")
+    draft = make_draft()
+    draft.embed_tokens, draft.lm_head = target.model.embed_tokens, target.lm_head
+    save_dflash_draft(draft, tmp_path / "draft")
+    stored = load_file(tmp_path / "draft" / "model.safetensors")
+    assert "fc.weight" in stored and "layers.1.self_attn.k_norm.weight" in stored
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in stored)  # the target's, not saved
+    loaded = load_dflash_draft(tmp_path / "draft", target)
+    for key, value in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    assert loaded.embed_tokens is target.model.embed_tokens and loaded.lm_head is target.lm_head
+    stored["layers.0.self_attn.extra.weight"] = torch.zeros(2)  # a weight it would not use: refused, named
+    save_file(stored, tmp_path / "draft" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layers.0.self_attn.extra.weight"):
+        load_dflash_draft(tmp_path / "draft", target)
