@@ -187,3 +187,88 @@ def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp
     save_file(stored, tmp_path / "draft" / "model.safetensors")
     with pytest.raises(CheckpointError, match="layers.0.self_attn.extra.weight"):
         load_dflash_draft(tmp_path / "draft", target)
+
+
+# -- training: anchors, blocks, losses ------------------------------------------------------------------------------
+
+def test_anchors_are_supervised_positions_with_a_supervised_next_token_and_context():
+    from eyas.train.dflash import sample_anchors
+
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 0, 0])
+    assert sample_anchors(mask, 100).tolist() == [1, 4, 5, 6]  # 0 has no context; 2 and 7 lack a taught next
+    g = torch.Generator().manual_seed(0)
+    few = sample_anchors(mask, 2, g)
+    assert few.numel() == 2 and set(few.tolist()) <= {1, 4, 5, 6} and few.tolist() == sorted(few.tolist())
+    assert sample_anchors(torch.zeros(6), 4).numel() == 0
+
+
+def test_blocks_of_a_worked_example():
+    """Tokens 10..17, loss on positions 2..7, block size 3, anchors 2 and 6 (and none for the second sequence's
+    second slot): rows stand for positions a, a+1, a+2; labels past the end are not taught."""
+    from eyas.train.dflash import make_blocks
+
+    ids = torch.arange(10, 18).repeat(2, 1)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1]).repeat(2, 1)
+    blocks = make_blocks(ids, mask, [torch.tensor([2, 6]), torch.tensor([3])], 3, mask_token_id=99)
+    assert blocks.anchors.tolist() == [[2, 6], [3, -1]]
+    assert blocks.input_ids.tolist() == [[12, 99, 99, 16, 99, 99], [13, 99, 99, 10, 99, 99]]
+    assert blocks.positions[0].tolist() == [2, 3, 4, 6, 7, 8]
+    assert blocks.labels[0].tolist() == [[12, 13, 14], [16, 17, 17]]  # position 8 does not exist (clamped)
+    assert blocks.valid.tolist() == [[[False, True, True], [False, True, False]],
+                                     [[False, True, True], [False, False, False]]]
+
+
+def reference_block_loss(logits, labels, valid, loss, gamma, alpha):
+    """Block by block and row by row, as the formulas read."""
+    import math
+
+    num, den = 0.0, 0.0
+    for b in range(logits.shape[0]):
+        ces = []
+        for k in range(1, logits.shape[1]):
+            logp = logits[b, k].detach().double().log_softmax(-1)
+            ces.append(-float(logp[labels[b, k]]) if valid[b, k] else None)
+        reach, weights = 1.0, []
+        if loss == "dpace":
+            tail = []
+            for ce in ces:
+                if ce is not None:
+                    reach *= (1 - alpha) * math.exp(-ce) + alpha
+                tail.append(reach if ce is not None else 0.0)
+            weights = [sum(tail[j:]) for j in range(len(tail))]
+        else:
+            weights = [math.exp(-k / gamma) for k in range(len(ces))]
+        for ce, w in zip(ces, weights):
+            if ce is not None:
+                num += w * ce
+                den += w
+    return num / den
+
+
+@pytest.mark.parametrize("loss", ["ce", "dpace"])
+def test_block_loss_matches_the_reference_and_weights_carry_no_gradient(loss):
+    from eyas.train.dflash import block_loss
+
+    torch.manual_seed(4)
+    logits = torch.randn(5, 4, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (5, 4))
+    valid = torch.rand(5, 4) > 0.25
+    valid[:, 0] = False
+    value, stats = block_loss(logits, labels, valid, loss, gamma=3.0, alpha=0.3)
+    assert value.item() == pytest.approx(reference_block_loss(logits, labels, valid, loss, 3.0, 0.3), rel=1e-5)
+    assert stats["rows"] == int(valid.sum()) and len(stats["acc_per_row"]) == 3
+    value.backward()
+    # the weights are constants: the gradient is sum(w * dCE) / sum(w), with w from the formula
+    grad = logits.grad.clone()
+    logits.grad = None
+    with torch.no_grad():
+        ce = F.cross_entropy(logits[:, 1:].reshape(-1, 7), labels[:, 1:].reshape(-1), reduction="none").view(5, 3)
+    if loss == "ce":
+        w = torch.exp(-torch.arange(3.0) / 3.0).expand(5, 3) * valid[:, 1:]
+    else:
+        kept = ((0.7 * torch.exp(-ce) + 0.3).masked_fill(~valid[:, 1:], 1.0)).cumprod(-1) * valid[:, 1:]
+        w = kept.flip(-1).cumsum(-1).flip(-1) * valid[:, 1:]
+    surrogate = (w * F.cross_entropy(logits[:, 1:].reshape(-1, 7), labels[:, 1:].reshape(-1),
+                                     reduction="none").view(5, 3)).sum() / w.sum()
+    surrogate.backward()
+    torch.testing.assert_close(grad, logits.grad)
