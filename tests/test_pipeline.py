@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint, reply, stand_in
 
 from eyas.pipeline import PipelineError, read_recipe, stage_commands
 
@@ -96,38 +96,18 @@ def test_bad_recipes_are_refused_naming_the_key(tmp_path):
             stage_commands(read_recipe(path), path)
 
 
-def stand_in_server(seen: list):
-    """An OpenAI-compatible stand-in that answers every chat request with one short reply and keeps each request's
-    Authorization header in `seen`."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+def answer_every_chat(seen: list):
+    """A stand-in's handler: one short reply to every chat request, each request's Authorization header kept in
+    `seen`."""
+    def handle(h):
+        seen.append(h.headers.get("Authorization"))
+        if h.command == "GET":
+            return reply(h, {"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+        reply(h, {"object": "chat.completion", "usage": {"completion_tokens": 2, "prompt_tokens": 3},
+                  "choices": [{"index": 0, "finish_reason": "length",
+                               "message": {"role": "assistant", "content": "return 1"}}]})
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def reply(self, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            seen.append(self.headers.get("Authorization"))
-            self.reply({"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
-
-        def do_POST(self):
-            seen.append(self.headers.get("Authorization"))
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.reply({"object": "chat.completion", "usage": {"completion_tokens": 2, "prompt_tokens": 3},
-                        "choices": [{"index": 0, "finish_reason": "length",
-                                     "message": {"role": "assistant", "content": "return 1"}}]})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return handle
 
 
 def test_an_api_key_in_a_recipe_is_sent_but_never_printed_or_written(tmp_path, capsys):
@@ -138,8 +118,7 @@ def test_an_api_key_in_a_recipe_is_sent_but_never_printed_or_written(tmp_path, c
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "def f():"},
                                              {"role": "assistant", "content": "pass"}]}) + "\n")
     seen: list = []
-    server, url = stand_in_server(seen)
-    try:
+    with stand_in(answer_every_chat(seen)) as url:
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump({
             "work_dir": str(tmp_path / "work"), "data": str(data),
@@ -147,8 +126,6 @@ def test_an_api_key_in_a_recipe_is_sent_but_never_printed_or_written(tmp_path, c
             "train": {"max_steps": 0}}))  # refused by train: the pipeline stops after regenerate
         assert run_pipeline(path, dry_run=True) == 0
         code = run_pipeline(path)
-    finally:
-        server.shutdown()
     out, err = capsys.readouterr()
     assert code != 0 and "regenerate" in json.loads((tmp_path / "work" / "stages.json").read_text())
     assert f"Bearer {key}" in seen  # the server got the key...
