@@ -14,12 +14,14 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import make_served_checkpoint
 
 from eyas import LLM, SamplingParams
 from eyas.serve.app import build_app
 from eyas.serve.cli import add_cli
+from eyas.serve.metrics import ServerMetrics
 
 KEY = "sk-test"
 NAME = "tiny"
@@ -519,6 +521,149 @@ def test_metrics_count_requests(server, client):
     assert after[length] == before[length] + 1
     assert after[rejected] == before.get(rejected, 0) + 1
     assert after[("eyas:generation_tokens_total", ())] == before[("eyas:generation_tokens_total", ())] + 3
+
+
+# The hand-written exposition's answer to the scrape in test_metrics_are_the_hand_written_ones_for_the_same_traffic,
+# recorded from it (its HELP and TYPE lines left out): the samples prometheus_client must reproduce.
+BEFORE = """\
+eyas:request_success_total{model_name="tiny",finished_reason="abort"} 0
+eyas:request_success_total{model_name="tiny",finished_reason="length"} 3
+eyas:request_success_total{model_name="tiny",finished_reason="stop"} 1
+eyas:request_rejected_total{model_name="tiny",status="400"} 2
+eyas:request_rejected_total{model_name="tiny",status="401"} 1
+eyas:prompt_tokens_total{model_name="tiny"} 40
+eyas:generation_tokens_total{model_name="tiny"} 20
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.001"} 0
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.005"} 0
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.01"} 3
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.02"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.04"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.06"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.08"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.1"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.25"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.5"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="0.75"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="1.0"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="2.5"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="5.0"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="7.5"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="10.0"} 4
+eyas:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"} 4
+eyas:time_to_first_token_seconds_count{model_name="tiny"} 4
+eyas:time_to_first_token_seconds_sum{model_name="tiny"} 0.039999999999999994
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.001"} 0
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.0025"} 0
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.005"} 1
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.01"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.025"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.05"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.075"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.1"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.15"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.2"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.3"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.4"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.5"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="0.75"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="1.0"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="2.5"} 3
+eyas:time_per_output_token_seconds_bucket{model_name="tiny",le="+Inf"} 3
+eyas:time_per_output_token_seconds_count{model_name="tiny"} 3
+eyas:time_per_output_token_seconds_sum{model_name="tiny"} 0.019
+eyas:num_requests_running{model_name="tiny"} 0
+eyas:num_requests_waiting{model_name="tiny"} 0
+eyas:kv_cache_blocks_used{model_name="tiny"} 0
+eyas:kv_cache_blocks_total{model_name="tiny"} 256
+eyas:num_preemptions_total{model_name="tiny"} 3
+eyas:spec_decode_num_drafts_total{model_name="tiny"} 13
+eyas:spec_decode_num_draft_tokens_total{model_name="tiny"} 23
+eyas:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7
+eyas:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 5
+eyas:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2
+vllm:spec_decode_num_drafts_total{model_name="tiny"} 13
+vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 23
+vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 5
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2
+"""
+
+
+def fixed_traffic(url: str) -> None:
+    """Requests whose counts are the same on every run, one at a time: plain, streamed and chat completions, one cut
+    by a stop token, and three refusals."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(url + path, json={"model": NAME, "temperature": 0, **body}, headers=auth, timeout=60)
+
+    first = post("/v1/completions", prompt=PROMPTS[0], max_tokens=8, ignore_eos=True, return_token_ids=True)
+    stop = first.json()["choices"][0]["token_ids"][:1]  # the first token again: it stops after 1
+    assert post("/v1/completions", prompt=PROMPTS[0], max_tokens=8, stop_token_ids=stop).status_code == 200
+    assert post("/v1/completions", prompt=PROMPTS[1], max_tokens=6, ignore_eos=True, stream=True).status_code == 200
+    assert post("/v1/chat/completions", messages=CHAT, max_tokens=5, ignore_eos=True).status_code == 200
+    assert post("/v1/completions", prompt="x", top_p=7).status_code == 400
+    assert post("/v1/completions", prompt="x", max_tokens=-1).status_code == 400
+    assert httpx.get(url + "/v1/models").status_code == 401
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(name, labels) -> value of every sample, model_name included, but prometheus_client's _created stamps."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+def test_metrics_are_the_hand_written_ones_for_the_same_traffic(checkpoint):
+    """The same sample names, label sets and values as the hand-written exposition for the same requests; only the
+    text differs (1.0 for 1, labels sorted, counters' HELP and TYPE lines naming NAME_total) and the instruments add
+    _created stamps. Durations are wall-clock, so both scrapes had them made from token counts instead."""
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2)
+    with running(llm) as (url, app):
+        finished = app.state.metrics.finished
+        app.state.metrics.finished = lambda reason, num_prompt, num_generated, ttft, tpot: finished(
+            reason, num_prompt, num_generated, None if ttft is None else num_prompt / 1000,
+            None if tpot is None else num_generated / 1000)
+        fixed_traffic(url)
+        wait_idle(llm)
+        # the random MTP layer never has a draft accepted: distinct counts show a position or a name mixed up
+        spec = llm.scheduler.metrics
+        spec.num_accepted, spec.accepted_per_position = 7, [5, 2]
+        llm.scheduler.num_preemptions = 3
+        after = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert samples(after) == samples(BEFORE)
+
+
+def test_metrics_parse_with_their_types_in_a_registry_per_server(checkpoint):
+    """prometheus_client's parser reads each family with its type (the hand-written TYPE lines named counters
+    without the _total their samples carry, so it read those as untyped); each server counts in its own registry,
+    none in the global one, and a model name with quotes, a backslash and a newline comes back as it was."""
+    llm = LLM(checkpoint, speculative_method="mtp", num_speculative_tokens=2)
+    with running(llm) as (url, _):
+        r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST
+    types = {family.name: family.type for family in text_string_to_metric_families(r.text)}
+    counters = ["eyas:request_success", "eyas:request_rejected", "eyas:prompt_tokens", "eyas:generation_tokens",
+                "eyas:num_preemptions"] + [f"{prefix}:spec_decode_num_{name}" for prefix in ("eyas", "vllm")
+                                           for name in ("drafts", "draft_tokens", "accepted_tokens",
+                                                        "accepted_tokens_per_pos")]
+    gauges = ["eyas:num_requests_running", "eyas:num_requests_waiting", "eyas:kv_cache_blocks_used",
+              "eyas:kv_cache_blocks_total", "eyas:request_success_created"]
+    histograms = ["eyas:time_to_first_token_seconds", "eyas:time_per_output_token_seconds"]
+    assert {name: types.get(name) for name in counters + gauges + histograms} == \
+        {**dict.fromkeys(counters, "counter"), **dict.fromkeys(gauges, "gauge"),
+         **dict.fromkeys(histograms, "histogram")}
+
+    def rejections(metrics: ServerMetrics) -> list[tuple[dict, float]]:
+        text = generate_latest(metrics.registry).decode()
+        return [(s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "eyas:request_rejected_total"]
+
+    odd = 'a "quoted" \\ name\nof two lines'
+    one, other = ServerMetrics(odd, llm), ServerMetrics(odd, llm)  # the same names: no clash
+    one.rejected(429)
+    assert rejections(one) == [({"model_name": odd, "status": "429"}, 1.0)] and rejections(other) == []
+    assert not [family.name for family in REGISTRY.collect() if family.name.startswith(("eyas:", "vllm:"))]
 
 
 def test_cli_serve_arguments():

@@ -70,6 +70,9 @@ def parse_spec_counters(text: str) -> dict[str, float]:
     return values
 
 
+# Not prometheus_client.parser's: it reads `name 1 2 3` as the value 1 at the timestamp 3, reports a label value
+# without its closing quote as a bad metric name or value (in words that change between its releases), and on a whole
+# text stops at the first malformed line of any metric, where only the speculative counters matter here.
 def _parse_sample(after_name: str) -> tuple[dict[str, str], float]:
     """The labels and value of one sample line of the Prometheus text format, `name{label="value",...} value
     [timestamp]`, from what follows its name: label values may hold spaces, braces and the escapes \\\\, \\" and

@@ -20,7 +20,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -57,7 +58,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
     (default: the context), is a 400."""
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise ValueError("api_key must be a non-empty key without whitespace, or None for no key")
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, llm)
     engine = EngineLoop(llm, metrics, grammar_timeout, max_prompt_tokens)
 
     @asynccontextmanager
@@ -112,8 +113,8 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
                                             "max_model_len": llm.max_model_len}]}
 
     @app.get("/metrics", dependencies=[] if public_metrics else [Depends(check_api_key)])
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(llm), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
