@@ -327,8 +327,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the report JSON here and the plot beside it (.png); default: "
-                   "beside the draft's directory, DRAFT-eval.json (eval-mtp.json for mtp; in the current directory "
-                   "for a bundled draft or with --server: eval-NAME.json)")
+                   "beside the draft's directory, DRAFT-eval.json; in the current directory for mtp "
+                   "(eval-mtp-TARGET.json), a bundled draft (eval-NAME.json) or --server (eval-MODEL.json)")
     p.add_argument("--server", metavar="URL", help="measure a running server instead (vLLM, SGLang, MAX, eyas "
                    "serve; e.g. http://127.0.0.1:8000): acceptance from the deltas of its vllm:spec_decode_* "
                    "counters (SGLang: each response's meta_info.spec_verify_ct); the speculative options and "
