@@ -4,8 +4,9 @@ Parameter names are HF's, so safetensors load with no conversion. Two attention 
 - no cache (`attn is None`): inputs [batch, seq, hidden], the expanded form (kv_b_proj makes per-head K and V),
   causal; used by scoring, training and tests.
 - paged (`attn` given): inputs [num_tokens, hidden] from several sequences; the cache holds per token only the
-  normalised latent and the roped shared key [kv_lora_rank + qk_rope_head_dim]; attention runs in the absorbed
-  form (W_UK folded into the query, W_UV applied after), identically for prefill, verify and decode rows.
+  normalised latent and the roped shared key [kv_lora_rank + qk_rope_head_dim]; decode and verify rows (up to
+  SHORT_QUERY per sequence) attend in the absorbed form (W_UK folded into the query, W_UV applied after), longer
+  prompt chunks in the expanded form from the cached latents.
 """
 
 from __future__ import annotations
