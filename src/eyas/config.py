@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +311,10 @@ class DeepseekV3Config:
         return out
 
 
-SPECULATIVE_METHODS = ("eagle", "mtp")
+SPECULATIVE_METHODS = ("eagle", "mtp", "dflash")
+# drafts per step when num_speculative_tokens is not given, for the chain methods (a block draft's: block_size - 1)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+MAX_BLOCK_DRAFTS = 63  # DFlashConfig's largest block (64) less its anchor
 # MAX's four names; "typical" is the short name of typical-acceptance
 REJECTION_STRATEGIES = ("greedy", "residual", "typical", "typical-acceptance", "logit-comparison")
 
@@ -324,7 +327,9 @@ class SpeculativeConfig:
 
     method: str = "eagle"
     draft_model: str | None = None
-    num_speculative_tokens: int = 3
+    # None: DEFAULT_NUM_SPECULATIVE_TOKENS for eagle and mtp; for dflash, block_size - 1, set by for_block_size when
+    # the draft is loaded (its block holds the anchor and that many drafts, so no width may exceed it)
+    num_speculative_tokens: int | None = None
     # [{"batch_start": 1, "batch_end": 16, "num_tokens": 3}, ...]: K by running batch size (inclusive bounds)
     num_speculative_tokens_per_batch_size: list[dict] = field(default_factory=list)
     # no draft work while this many sequences or more are running: where verifying K + 1 rows costs more than the
@@ -349,14 +354,18 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {list(SPECULATIVE_METHODS)}")
-        if self.method == "eagle" and not self.draft_model:
-            raise ValueError("speculative method 'eagle' needs a draft model directory (--draft-model)")
+        if self.method in ("eagle", "dflash") and not self.draft_model:
+            raise ValueError(f"speculative method {self.method!r} needs a draft model directory (--draft-model)")
         if self.method == "mtp" and self.draft_model:
             raise ValueError("speculative method 'mtp' drafts with the target's own NextN layer and takes no "
                              "--draft-model; supported (method, draft) pairs: (eagle, an EAGLE-3 MLA or MHA draft "
-                             "directory), (mtp, none)")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens is {self.num_speculative_tokens}; expected 1..16")
+                             "directory), (dflash, a DFlash draft directory), (mtp, none)")
+        if self.num_speculative_tokens is None and self.method != "dflash":
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
+        most = MAX_BLOCK_DRAFTS if self.method == "dflash" else 16
+        k = self.num_speculative_tokens
+        if k is not None and not 1 <= k <= most:
+            raise ValueError(f"num_speculative_tokens is {k}; expected 1..{most}")
         if self.rejection_sampling_strategy not in REJECTION_STRATEGIES:
             raise ValueError(f"rejection_sampling_strategy {self.rejection_sampling_strategy!r} is not one of "
                              f"{list(REJECTION_STRATEGIES)}")
@@ -386,6 +395,17 @@ class SpeculativeConfig:
     def max_num_tokens(self) -> int:
         rules = self.num_speculative_tokens_per_batch_size
         return max([self.num_speculative_tokens] + [r["num_tokens"] for r in rules])
+
+    def for_block_size(self, block_size: int) -> SpeculativeConfig:
+        """This config for a draft whose one forward proposes block_size - 1 drafts after its anchor (DFlash):
+        num_speculative_tokens defaults to block_size - 1, and no width may be wider."""
+        most = block_size - 1
+        config = replace(self, num_speculative_tokens=self.num_speculative_tokens or most)
+        if config.max_num_tokens > most:
+            raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} (widest per-batch-size rule "
+                             f"included: {config.max_num_tokens}) is more drafts than the draft's block of "
+                             f"{block_size} proposes; expected at most block_size - 1 = {most}")
+        return config
 
     def num_tokens_for_batch(self, batch_size: int) -> int:
         override = self.width_override(batch_size)

@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from eyas.config import REJECTION_STRATEGIES, SpeculativeConfig
+from eyas.config import REJECTION_STRATEGIES, SpeculativeConfig, read_config_json
 from eyas.engine.llm import LLM
+from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 
@@ -44,7 +45,7 @@ class EngineArgs:
     # speculative decoding; speculative_method None: decided by speculative_config()
     speculative_method: str | None = None
     draft_model: Path | None = None
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | None = None  # None: 3, or a DFlash draft's block_size - 1
     num_speculative_tokens_per_batch_size: str | None = None  # JSON, as the flag takes it: read when speculating
     speculative_disable_batch_size: int | None = None  # None: the device's default; 0: never disable
     speculative_width: str = "adaptive"  # adaptive: chosen by measurement up to K; fixed: K (or the overrides)
@@ -89,12 +90,12 @@ class EngineArgs:
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The SpeculativeConfig these settings describe, or None for plain decoding. With no speculative_method:
-        eagle when a draft_model is given; for the bundled target, eagle with its bundled MLA draft; otherwise
-        plain."""
+        dflash or eagle when a draft_model is given (as its config.json names it); for the bundled target, eagle
+        with its bundled MLA draft; otherwise plain."""
         method, draft = self.speculative_method, self.draft_model
         if method is None:
             if draft is not None:
-                method = "eagle"
+                method = "dflash" if _dflash_config(draft) is not None else "eagle"
             elif Path(self.model).resolve() == DEFAULT_MODEL.resolve() and DEFAULT_DRAFT.is_dir():
                 method, draft = "eagle", DEFAULT_DRAFT
             else:
@@ -102,8 +103,13 @@ class EngineArgs:
         if method == "none":
             if draft is not None:  # plain decoding would silently leave the draft unused
                 raise ValueError(f"--speculative-method none decodes without a draft, but --draft-model {draft} is "
-                                 "given: drop --draft-model, or pass --speculative-method eagle to draft with it")
+                                 "given: drop --draft-model, or pass --speculative-method eagle (or dflash) to draft "
+                                 "with it")
             return None
+        num_tokens = self.num_speculative_tokens
+        if method == "dflash" and num_tokens is None:  # the block's drafts (a bad block_size fails on loading)
+            block_size = (_dflash_config(draft) or {}).get("block_size")
+            num_tokens = block_size - 1 if isinstance(block_size, int) and block_size >= 2 else None
         # unset: on CPU, where a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be,
         # drafting stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
         disable = self.speculative_disable_batch_size
@@ -111,8 +117,7 @@ class EngineArgs:
         if disable is None and not adaptive:  # the adaptive width finds where drafting stops paying by itself
             disable = CPU_DISABLE_BATCH_SIZE if str(self.device).startswith("cpu") else None
         return SpeculativeConfig(
-            method=method, draft_model=str(draft) if draft else None,
-            num_speculative_tokens=self.num_speculative_tokens,
+            method=method, draft_model=str(draft) if draft else None, num_speculative_tokens=num_tokens,
             num_speculative_tokens_per_batch_size=_per_batch_size_rules(self.num_speculative_tokens_per_batch_size),
             disable_batch_size=disable or None, adaptive_width=adaptive,
             num_speculative_tokens_mixed_batch=self.num_speculative_tokens_mixed_batch,
@@ -127,6 +132,17 @@ class EngineArgs:
         return LLM(self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                    max_model_len=self.max_model_len, kv_cache_memory_gb=self.kv_cache_memory,
                    speculative_config=self.speculative_config(), threads=self.threads)
+
+
+def _dflash_config(draft: Path) -> dict | None:
+    """A DFlash draft directory's config.json; None for any other draft (or for none readable: loading the draft
+    then says what is wrong)."""
+    try:
+        raw = read_config_json(Path(draft) / "config.json", "a draft checkpoint directory")
+    except ValueError:
+        return None
+    names = raw.get("architectures")
+    return raw if isinstance(names, list) and DFLASH_ARCHITECTURE in names else None
 
 
 def _per_batch_size_rules(text: str | None) -> list:
@@ -144,13 +160,16 @@ def _per_batch_size_rules(text: str | None) -> list:
 
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", choices=["eagle", "mtp", "none"],
-                   help="eagle: an EAGLE-3 draft head (--draft-model); mtp: the target's own NextN layer; "
-                   "none: plain decoding. Default: eagle when --draft-model is given; for the bundled tiny target, "
-                   "eagle with its bundled MLA draft; otherwise none")
-    s.add_argument("--draft-model", type=Path, help="EAGLE-3 draft directory (vLLM, SGLang, Model Optimizer, MAX "
-                   "or eyas layout; MLA or Llama-style MHA)")
-    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (K)")
+    s.add_argument("--speculative-method", choices=["eagle", "mtp", "dflash", "none"],
+                   help="eagle: an EAGLE-3 draft head (--draft-model), one draft token per draft forward; mtp: the "
+                   "target's own NextN layer; dflash: a DFlash block draft (--draft-model, z-lab's layout), whose "
+                   "one forward proposes a whole block of drafts; none: plain decoding. Default: dflash or eagle "
+                   "when --draft-model is given (as its config.json names it); for the bundled tiny target, eagle "
+                   "with its bundled MLA draft; otherwise none")
+    s.add_argument("--draft-model", type=Path, help="draft directory: EAGLE-3 (vLLM, SGLang, Model Optimizer, MAX "
+                   "or eyas layout; MLA or Llama-style MHA) or DFlash (z-lab's layout, as vLLM and SGLang load it)")
+    s.add_argument("--num-speculative-tokens", type=int, help="drafts verified per step (K); default 3, and for "
+                   "dflash the draft's block_size - 1 (at most that: its block is the anchor and that many drafts)")
     s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
                    help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
                    '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')

@@ -3,6 +3,7 @@ schedule -> run -> commit."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,8 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eyas.checkpoint import load_draft, load_model
+from eyas.checkpoint import load_dflash_draft, load_draft, load_model
 from eyas.config import SpeculativeConfig
+from eyas.engine.block_proposer import BlockDraft
 from eyas.engine.chat import encode_chat
 from eyas.engine.grammar import GrammarCache
 from eyas.engine.kv_cache import BlockAllocator
@@ -72,25 +74,32 @@ class LLM:
                  num_blocks: int | None = None, max_num_batched_tokens: int = 512,
                  kv_cache_memory_gb: float | None = None,
                  speculative_method: str | None = None, draft_model: str | Path | None = None,
-                 num_speculative_tokens: int = 3, speculative_config: SpeculativeConfig | None = None,
+                 num_speculative_tokens: int | None = None, speculative_config: SpeculativeConfig | None = None,
                  threads: int | None = None) -> None:
-        """`speculative_method` "eagle" (with `draft_model`) or "mtp" turns on speculative decoding;
+        """`speculative_method` "eagle" or "dflash" (with `draft_model`) or "mtp" turns on speculative decoding
+        (`num_speculative_tokens`: 3 drafts a step, a DFlash draft's block_size - 1);
         `speculative_config` gives every speculative setting at once. `threads`: torch CPU threads (default: the
         rule in eyas.threads, 1 on CPU for small models), set for the whole process."""
         if speculative_config is None and speculative_method not in (None, "none"):
             speculative_config = SpeculativeConfig(
                 method=speculative_method, draft_model=str(draft_model) if draft_model else None,
                 num_speculative_tokens=num_speculative_tokens)
-        self.speculative_config = speculative_config
         self.model = load_model(model, dtype=dtype, device=device)
         self.num_threads = configure_threads(self.model, threads)
         pack_for_inference(self.model)
         config = self.model.config
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.draft = None
+        if speculative_config is not None:
+            self.draft = load_draft_for(speculative_config, self.model)
+            pack_for_inference(self.draft)
+            if isinstance(self.draft, BlockDraft):  # its block bounds the drafts of a step
+                speculative_config = speculative_config.for_block_size(self.draft.block_size)
+        self.speculative_config = speculative_config
         if num_blocks is None:
             num_blocks = default_num_blocks(config, self.model.lm_head.weight, max_num_seqs, self.max_model_len,
-                                            block_size, kv_cache_memory_gb, speculative_config is not None)
+                                            block_size, kv_cache_memory_gb, self.draft)
         # one lane per running sequence: contexts stay contiguous, so batched attention reads them in place
         self.allocator = BlockAllocator(num_blocks, block_size, num_lanes=max_num_seqs)
         eos_token_ids = set(config.eos_token_ids)
@@ -98,14 +107,11 @@ class LLM:
             eos_token_ids.add(self.tokenizer.eos_token_id)
         self._grammars: GrammarCache | None = None  # built on the first structured-output request (grammar_cache)
         self._grammars_lock = threading.Lock()
-        self.draft = None
-        if speculative_config is not None:
-            self.draft = load_draft_for(speculative_config, self.model)
-            pack_for_inference(self.draft)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.draft, speculative_config,
                                   self.max_model_len, think_token_ids(self.tokenizer),
                                   (self.allocator.num_lanes, self.allocator.lane_blocks))
-        # a sampling sequence commits up to K + 1 tokens and then gets up to K drafts
+        # a sampling sequence commits up to K + 1 tokens and then gets up to K drafts (a block draft: K <= B - 1, and
+        # its block's own rows past the drafts are never written)
         lookahead = 1 + speculative_config.max_num_tokens if speculative_config is not None else 0
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
                                    StopChecker(eos_token_ids, self.tokenizer, self.max_model_len), lookahead)
@@ -229,12 +235,12 @@ class LLM:
 
 
 def default_num_blocks(config, weight: torch.Tensor, max_num_seqs: int, max_model_len: int, block_size: int,
-                       memory_gb: float | None, speculative: bool) -> int:
+                       memory_gb: float | None, draft=None) -> int:
     """Blocks for max_num_seqs full-length sequences, capped by a memory budget: `memory_gb`, else 0.25 GiB on CPU
     and 90% of the free accelerator memory. Sequences past the cap wait or are preempted, never lost."""
     bytes_per_token = config.num_hidden_layers * config.latent_dim * weight.element_size()
-    if speculative:  # the draft's one-layer cache shares the block tables
-        bytes_per_token += bytes_per_token // config.num_hidden_layers * 2
+    if draft is not None:  # the draft's cache shares the block tables (a DFlash draft's holds K and V per layer)
+        bytes_per_token += math.prod(draft.cache_entry_shape()) * weight.element_size()
     if memory_gb is None:
         memory_gb = 0.25 if weight.device.type == "cpu" else 0.9 * torch.cuda.mem_get_info(weight.device)[0] / 2**30
     budget_blocks = int(memory_gb * 2**30 // (bytes_per_token * block_size))
@@ -246,11 +252,13 @@ def default_num_blocks(config, weight: torch.Tensor, max_num_seqs: int, max_mode
 
 
 def load_draft_for(config: SpeculativeConfig, target):
-    """The draft head for `config.method`: the target's own MTP layer, or an EAGLE-3 checkpoint."""
+    """The draft head for `config.method`: the target's own MTP layer, an EAGLE-3 or a DFlash checkpoint."""
     if config.method == "mtp":
         from eyas.models.mtp import MTPDraft
 
         return MTPDraft(target)
+    if config.method == "dflash":
+        return load_dflash_draft(config.draft_model, target)
     return load_draft(config.draft_model, target, aux_convention=config.aux_layer_convention,
                       allow_unused_weights=config.allow_unused_draft_weights)
 

@@ -8,7 +8,8 @@ The step, in phase order (K = the width the proposer chooses; K = 0 is plain dec
   2. verify    one target forward over the ragged batch -> hidden states (and the draft's aux hidden states)
   3. accept    `Verifier`: logits at the verify rows -> grammar mask -> sampling processing -> acceptance rule
   4. rollback  the target KV of rejected drafts is dropped: num_computed stops after the last accepted draft
-  5. propose   `Proposer`: the draft chain over the kept positions -> the next K drafts
+  5. propose   `Proposer`: the draft chain over the kept positions -> the next K drafts (`BlockProposer`: the kept
+               positions into the draft's context cache, then one block forward -> the next K drafts)
   6. pack      one `StepOutput`
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
+from eyas.engine.block_proposer import BlockDraft, BlockProposer
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
@@ -29,7 +31,7 @@ from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int, block_size: int,
-                 draft: DraftHead | None = None, speculative_config: SpeculativeConfig | None = None,
+                 draft: DraftHead | BlockDraft | None = None, speculative_config: SpeculativeConfig | None = None,
                  max_model_len: int | None = None, think_token_ids: tuple[int, int] | None = None,
                  lanes: tuple[int, int] = (0, 0)) -> None:
         self.model = model
@@ -43,10 +45,10 @@ class ModelRunner:
                                  self.device)
         self.verifier = Verifier(model, speculative_config, think_token_ids)
         self.proposer = None
-        if draft is not None:
-            self.proposer = Proposer(draft, speculative_config, num_blocks * block_size, block_size,
-                                     max_model_len or config.max_position_embeddings, self.dtype, self.device,
-                                     lanes)
+        if draft is not None:  # a draft that proposes a block in one forward (DFlash), or one token per forward
+            kind = BlockProposer if isinstance(draft, BlockDraft) else Proposer
+            self.proposer = kind(draft, speculative_config, num_blocks * block_size, block_size,
+                                 max_model_len or config.max_position_embeddings, self.dtype, self.device, lanes)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:

@@ -78,7 +78,7 @@ class Proposer:
         self.max_model_len = max_model_len
         self.device = device
         self.adaptive = AdaptiveWidth(config.num_speculative_tokens) if config.adaptive_width else None
-        # the draft's one-layer cache, addressed through the same block tables as the target's
+        # the draft's cache (one entry per position), addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=dtype, device=device)
 
     def width(self, batch: ScheduledBatch) -> int:
@@ -172,19 +172,22 @@ class Proposer:
         return max(0, min(width, seq.params.max_tokens - (seq.num_generated + num_new) - 1,
                           self.max_model_len - length, slots - length))
 
-    def _next_drafts(self, hidden_k: torch.Tensor, active: list[int], seqs: list[Sequence],
-                     drafts: list[list[int]], budgets: list[int]) -> torch.Tensor:
+    def _next_drafts(self, hidden_k: torch.Tensor | None, active: list[int], seqs: list[Sequence],
+                     drafts: list[list[int]], budgets: list[int], logits: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """The draft's greedy proposals [len(active)] from its pre-norm outputs, appended to each active sequence's
         drafts. A constrained sequence proposes the argmax over the tokens its grammar allows and its matcher
-        accepts it; it stops drafting (its budget is cut) at the grammar's end or when no token is allowed."""
-        tokens = self.draft.greedy_tokens(hidden_k)
+        accepts it; it stops drafting (its budget is cut) at the grammar's end or when no token is allowed.
+        `logits` [len(active), vocab]: the draft's logits at these rows when computed already (a block draft's,
+        from one forward), instead of `hidden_k`."""
+        tokens = self.draft.greedy_tokens(hidden_k) if logits is None else logits.argmax(-1)
         constrained = [j for j, i in enumerate(active) if seqs[i].grammar is not None]
         if constrained:
             bitmask = seqs[active[constrained[0]]].grammar.cache.new_bitmask(len(constrained))
             for r, j in enumerate(constrained):
                 seqs[active[j]].grammar.fill_mask(bitmask, r)
-            logits = apply_bitmask(self.draft.compute_logits(hidden_k[constrained]), bitmask)
-            tokens[constrained] = logits.argmax(-1)
+            rows = self.draft.compute_logits(hidden_k[constrained]) if logits is None else logits[constrained]
+            tokens[constrained] = apply_bitmask(rows, bitmask).argmax(-1)
         for i, t in zip(active, tokens.tolist()):
             grammar = seqs[i].grammar
             if grammar is not None and not grammar.accept(t):

@@ -240,6 +240,46 @@ class DFlashDraft(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    # -- what the engine's block proposer needs (eyas.engine.block_proposer.BlockDraft) --------------------------
+    @property
+    def aux_hidden_state_ids(self) -> tuple[int, ...]:
+        """The target states the context reads, as the engine numbers them (HF hidden_states indices): decoder
+        layer i's output is hidden_states[i + 1]."""
+        return tuple(i + 1 for i in self.config.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.rotary.max_positions
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        """The fused context hidden_norm(fc(cat(states at target_layer_ids))) [rows, H], what context_kv computes
+        first; the target's final hidden state is not read."""
+        return self.hidden_norm(self.fc(torch.cat(aux_hidden_states, dim=-1)))
+
+    def cache_entries(self, fused: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """fused [rows, H] (combine_hidden_states) at positions [rows] -> each position's keys and values in every
+        layer, [rows, num_layers, 2, kv_heads, head_dim]: one paged-cache entry per position."""
+        cos, sin = self.rotary(positions[None])
+        kv = [torch.stack(layer.self_attn.keys_values(fused[None], cos, sin), dim=1)  # [1, 2, kv, rows, d]
+              for layer in self.layers]
+        return torch.stack(kv, dim=1)[0].permute(3, 0, 1, 2, 4)
+
+    def cache_entry_shape(self) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+
+    @staticmethod
+    def context_kv_of(entries: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Cache entries [B, C, num_layers, 2, kv_heads, head_dim] -> the per-layer (k, v) [B, kv_heads, C,
+        head_dim] that forward takes as context_kv."""
+        return [(entries[:, :, i, 0].transpose(1, 2), entries[:, :, i, 1].transpose(1, 2))
+                for i in range(entries.shape[2])]
+
 
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int,
                          context_valid: torch.Tensor | None = None) -> torch.Tensor:
