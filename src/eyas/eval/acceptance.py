@@ -350,7 +350,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     engine.speculative_width = "fixed"  # the draft is measured at K, not the serving policy
     spec = engine.speculative_config()
     if spec is None:
-        raise ValueError("eyas eval measures a draft: give --speculative-method eagle --draft-model DIR, or mtp")
+        raise ValueError("eyas eval measures a draft: give --speculative-method eagle (or dflash) --draft-model "
+                         "DIR, or mtp")
     records = read_eval_prompts(args.prompts)
     llm = engine.build_llm()
     params = _params(args)

@@ -406,7 +406,8 @@ def banner(llm: LLM, name: str, args: argparse.Namespace) -> str:
     if spec is None:
         how = "plain decoding"
     else:
-        draft = "its own MTP layer" if spec.method == "mtp" else f"EAGLE-3 draft {spec.draft_model}"
+        draft = {"mtp": "its own MTP layer", "dflash": f"DFlash block draft {spec.draft_model}"}.get(
+            spec.method, f"EAGLE-3 draft {spec.draft_model}")
         off = f", drafting off from {spec.disable_batch_size} running sequences" if spec.disable_batch_size else ""
         how = f"speculative decoding with {draft}, K={spec.num_speculative_tokens}{off}"
     host = f"[{args.host}]" if ":" in args.host else args.host
