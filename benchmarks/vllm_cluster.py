@@ -102,7 +102,7 @@ def largest_relative(a: list[float], b: list[float]) -> float:
 
 
 def hidden_states(args: argparse.Namespace, work: Path, data: Path) -> dict:
-    storage = work / "hs"
+    storage = (work / "hs").absolute()  # vLLM names its files under it as given; eyas refuses relative paths
     storage.mkdir(exist_ok=True)
     # the flags of the printed command, in the form the benchmark's server launcher takes
     words = vllm_command(TARGET, (2, 4, 5), 8, storage).split(" ")
@@ -113,9 +113,10 @@ def hidden_states(args: argparse.Namespace, work: Path, data: Path) -> dict:
                              max_num_seqs=4)
     try:
         server_s = eyas("dump-hidden-states", str(data), str(work / "dump-vllm"), "--server", url,
-                        "--dtype", "float32", "--concurrency", "4", "--max-length", "512")
-        eyas("train", "--data", str(data), "--hidden-states-server", url, "--out", str(work / "run-streamed"),
-             "--aux-layer-ids", "2", "4", "5", *train)
+                        "--vllm-storage", str(storage), "--dtype", "float32", "--concurrency", "4",
+                        "--max-length", "512")
+        eyas("train", "--data", str(data), "--hidden-states-server", url, "--vllm-storage", str(storage),
+             "--out", str(work / "run-streamed"), "--aux-layer-ids", "2", "4", "5", *train)
     finally:
         stop(server)
     local_s = eyas("dump-hidden-states", str(data), str(work / "dump-eyas"), "--dtype", "float32",

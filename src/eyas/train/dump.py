@@ -16,6 +16,7 @@ from eyas.train.data import Example
 from eyas.train.hidden_states import DTYPES, dump_hidden_states
 
 log = logging.getLogger("eyas")
+DEFAULT_VLLM_STORAGE = Path("/tmp/eyas-hidden-states")  # what --print-vllm-command names when not told
 
 
 def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
@@ -28,10 +29,15 @@ def cmd_dump_hidden_states(args: argparse.Namespace) -> int:
     if args.print_vllm_command:
         from eyas.train.hidden_states_server import vllm_command
 
-        print(vllm_command(args.model, aux_ids, L, args.vllm_storage, served_model_name=args.served_model_name))
+        print(vllm_command(args.model, aux_ids, L, args.vllm_storage or DEFAULT_VLLM_STORAGE,
+                           served_model_name=args.served_model_name))
         return 0
     if args.data is None or args.out_dir is None:
         raise ValueError("give DATA.jsonl and OUT_DIR (or --print-vllm-command)")
+    if args.server and args.vllm_storage is None:
+        # no default: the directory bounds which of the server's files are read and deleted
+        raise ValueError("--server needs --vllm-storage DIR: the shared_storage_path that vLLM was started with "
+                         "(only files inside it are read)")
     examples = _examples(args, config)
     manifest = _dump_from_server(args, config, examples, aux_ids) if args.server else \
         _dump_here(args, examples, aux_ids)
@@ -80,7 +86,7 @@ def _dump_from_server(args: argparse.Namespace, config: DeepseekV3Config, exampl
     from eyas.train.hidden_states_server import ServerHiddenStates, dump_from_server
 
     client = client_from_args(args)
-    states = ServerHiddenStates(client, aux_ids, config.num_hidden_layers, config.hidden_size,
+    states = ServerHiddenStates(client, aux_ids, config.num_hidden_layers, config.hidden_size, args.vllm_storage,
                                 keep_files=args.keep_server_files)
     return dump_from_server(states, examples, args.out_dir, config, args.model,
                             examples_per_shard=args.examples_per_shard, dtype=DTYPES[args.dtype],
@@ -121,10 +127,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    "tokenizer)")
     g.add_argument("--print-vllm-command", action="store_true", help="print that command for --model and the aux "
                    "ids, and exit")
-    g.add_argument("--vllm-storage", type=Path, default=Path("/tmp/eyas-hidden-states"), help="directory the "
-                   "server writes one file per request into; this machine must see it at the same path")
+    g.add_argument("--vllm-storage", type=Path, metavar="DIR", help="the directory the server writes one file per "
+                   "request into (its shared_storage_path), at the same path on this machine; required with --server: "
+                   "only regular .safetensors files inside it, reached without symlinks, are read (default for "
+                   f"--print-vllm-command: {DEFAULT_VLLM_STORAGE})")
     add_server_args(g, 8, "requests in flight")
-    g.add_argument("--keep-server-files", action="store_true", help="leave the server's files in place once read "
-                   "(by default each is deleted: the shards hold the same states)")
+    g.add_argument("--keep-server-files", action="store_true", help="with --server: leave the server's files in "
+                   "place once read (default: each file whose token ids match its request is deleted with its .lock: "
+                   "the shards hold the same states; any other file is never deleted)")
     p.set_defaults(func=cmd_dump_hidden_states)
     return p

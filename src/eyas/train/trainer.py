@@ -53,6 +53,9 @@ class TrainConfig:
     hidden_states_server: str | None = None
     served_model_name: str | None = None
     api_key: str | None = None  # for the server; never written to the run's recipe
+    # that server's shared_storage_path: the only directory whose files it names are read (and deleted once read)
+    vllm_storage: str | None = None
+    keep_server_files: bool = False
     draft_arch: str = "mla"
     # None: auto (auto_draft_vocab_size: the ids covering 95% of the loss tokens, if under half the vocabulary);
     # 0: the target's whole vocabulary; N: the N most frequent loss tokens
@@ -104,6 +107,9 @@ class TrainConfig:
             raise ValueError("give exactly one of --data (online training) or --hidden-states (offline)")
         if self.hidden_states_server and self.data is None:
             raise ValueError("--hidden-states-server needs --data: the records whose hidden states it serves")
+        if self.hidden_states_server and not self.vllm_storage:
+            raise ValueError("--hidden-states-server needs --vllm-storage DIR: the shared_storage_path that vLLM "
+                             "was started with (only files inside it are read)")
         if self.draft_arch not in ("mla", "mha"):
             raise ValueError(f"--draft-arch is {self.draft_arch!r}; expected mla or mha")
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:
@@ -409,7 +415,8 @@ def _training_data(cfg: TrainConfig, target: nn.Module) -> tuple[Any, Any, tuple
     from eyas.train.hidden_states_server import ServerHiddenStates, StreamedHiddenStates
 
     client = ServerClient(cfg.hidden_states_server, cfg.served_model_name, cfg.api_key)
-    states = ServerHiddenStates(client, aux_ids, L, target.config.hidden_size)
+    states = ServerHiddenStates(client, aux_ids, L, target.config.hidden_size, cfg.vllm_storage,
+                                keep_files=cfg.keep_server_files)
     streamed = StreamedHiddenStates(states, loaded, target.lm_head.weight.dtype)
     return streamed, streamed, aux_ids, False
 
@@ -569,7 +576,7 @@ def _examples_for_vocab(examples):
 # settings a resumed run may change: where and how often it saves, logs and evaluates, how it runs, and how long
 _NOT_COMPARED = ("save_every", "save_minutes", "log_every", "out", "fsdp", "device", "threads", "max_steps",
                  "eval_every", "eval_prompts", "eval_num_prompts", "eval_max_new_tokens", "hidden_states_server",
-                 "served_model_name", "api_key")
+                 "served_model_name", "api_key", "vllm_storage", "keep_server_files")
 
 
 def _comparable(cfg: TrainConfig) -> dict:
@@ -882,6 +889,12 @@ def add_cli(subparsers) -> None:
                    f"from this vLLM (started with the command `eyas dump-hidden-states --print-vllm-command` "
                    f"prints), {PREFETCH_STEPS} steps ahead, nothing kept on disk; only the target's embedding, "
                    "final norm and lm_head are loaded here")
+    p.add_argument("--vllm-storage", metavar="DIR", help="required with --hidden-states-server: the "
+                   "shared_storage_path that vLLM was started with, at the same path on this machine; only regular "
+                   ".safetensors files inside it, reached without symlinks, are read (no default)")
+    p.add_argument("--keep-server-files", action="store_true", help="with --hidden-states-server: leave each server "
+                   "file in place once read (default: a file whose token ids match its request is deleted with its "
+                   ".lock; any other file is never deleted)")
     p.add_argument("--served-model-name", help="the server's model name (default: the first of its /v1/models)")
     p.add_argument("--api-key", help="for --hidden-states-server: sent as 'Authorization: Bearer KEY' (not written "
                    f"to {RECIPE_NAME})")
@@ -971,7 +984,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                              "directory): the bundled conversations are for the bundled target only")
         values["data"] = str(DEFAULT_DATA)
         print(f"no --data: training on the bundled conversations {DEFAULT_DATA}", file=sys.stderr)
-    for key in ("target", "out", "data", "hidden_states", "hidden_states_server", "vocab_file", "eval_prompts"):
+    for key in ("target", "out", "data", "hidden_states", "hidden_states_server", "vllm_storage", "vocab_file",
+                "eval_prompts"):
         if values[key] is not None:
             values[key] = str(values[key])
     return TrainConfig(**values)
