@@ -433,6 +433,7 @@ def test_runs_cannot_trample_each_other_and_a_cut_checkpoint_falls_back(setup, t
     with pytest.raises(ValueError, match="cannot write the output directory"):
         train(TrainConfig(target="/no/such/target", out=str(blocker / "run"), data=str(setup[2])))
     train(config(setup, "fallback", max_steps=4, save_every=2))
+    assert not (root / "fallback" / ".lock").exists()  # a finished run leaves no lock behind
     ckpt = root / "fallback" / "checkpoint"
     assert torch.load(ckpt / "state.prev.pt", weights_only=True)["step"] == 2
     before = read_log(root / "fallback" / "train_log.jsonl")
@@ -478,3 +479,33 @@ def test_a_crafted_training_state_is_refused_in_one_line_without_torchs_advice(t
     torch.save([1], ckpt / "state.prev.pt")
     with pytest.raises(ValueError, match="no readable training state"):
         load_training_state(ckpt, torch.device("cpu"))
+
+
+def test_a_run_that_teaches_nothing_says_so_and_fails(setup, tmp_path, capsys):
+    """A draft vocabulary holding none of the target's next tokens at the loss positions drops every position from
+    the loss: loss 0.0 at every step. The run says so and `eyas train` exits 1, instead of printing a result."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from eyas import load_model
+    from eyas.cli import main as cli
+    from eyas.train.data import load_dataset
+    from eyas.train.vocab import save_vocab
+
+    root, target_dir, data = setup
+    target = load_model(target_dir)
+    predicted = set()
+    with torch.no_grad():
+        for example in load_dataset(data, AutoTokenizer.from_pretrained(target_dir), 64):
+            predicted |= set(target(torch.tensor([example.input_ids]))[0].argmax(-1).tolist())
+    never = [i for i in range(8192) if i not in predicted][:4]  # ids the target never predicts here
+    d2t = torch.tensor(never) - torch.arange(4)
+    t2d = torch.zeros(8192, dtype=torch.bool)
+    t2d[never] = True
+    save_vocab(tmp_path / "vocab.safetensors", d2t, t2d, {})
+    code = cli(["train", "--target", str(target_dir), "--data", str(data), "--vocab-file",
+                str(tmp_path / "vocab.safetensors"), "--out", str(tmp_path / "run"), "--max-steps", "3",
+                "--batch-size", "4", "--max-length", "64", "--aux-layer-ids", "1", "2", "3"])
+    captured = capsys.readouterr()
+    assert code == 1 and "no position was taught" in captured.err and "--draft-vocab-size 0" in captured.err
+    assert "last step:" not in captured.out

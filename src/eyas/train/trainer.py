@@ -252,7 +252,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step=None) -> dict:
 
 
 class RunLock:
-    """OUT/.lock, flock'ed for as long as a run trains into OUT; the file holds the run's PID."""
+    """OUT/.lock, flock'ed for as long as a run trains into OUT; the file holds the run's PID and is removed when
+    the run ends."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.path = out, out / ".lock"
@@ -261,19 +262,26 @@ class RunLock:
     def __enter__(self) -> RunLock:
         import fcntl
 
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.path, "a+")
-        except OSError as e:
-            raise ValueError(f"cannot write the output directory {self.out}: {e.strerror or e}") from e
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            self.file.seek(0)
-            pid = self.file.read().strip() or "unknown"
+        for _ in range(10):
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                self.file = open(self.path, "a+")
+            except OSError as e:
+                raise ValueError(f"cannot write the output directory {self.out}: {e.strerror or e}") from e
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                self.file.seek(0)
+                pid = self.file.read().strip() or "unknown"
+                self.file.close()
+                raise ValueError(f"{self.out} is in use by another training run (PID {pid}); wait for it to end, "
+                                 "or train into another --out") from e
+            # a run that just ended removed the file this one opened: lock the path's file, not a removed one
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.file.fileno()).st_ino:
+                break
             self.file.close()
-            raise ValueError(f"{self.out} is in use by another training run (PID {pid}); wait for it to end, or "
-                             "train into another --out") from e
+        else:
+            raise ValueError(f"{self.path} keeps being replaced; is another run starting and stopping in {self.out}?")
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"{os.getpid()}\n")
@@ -283,6 +291,8 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         import fcntl
 
+        with contextlib.suppress(OSError):  # removed while still held, so no other run can hold a removed file
+            self.path.unlink()
         fcntl.flock(self.file, fcntl.LOCK_UN)
         self.file.close()
 
@@ -470,9 +480,11 @@ def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> 
     record: dict = {}
     tokens, start = 0, time.perf_counter()
     last_save = time.monotonic()
+    taught = False  # whether any step had a loss: a draft vocabulary holding none of the target's tokens has none
     with StopOnInterrupt() as interrupt:
         while run.step < cfg.max_steps:
             record = train_step(run)
+            taught = taught or record.get("loss", 0.0) > 0
             tokens += record.pop("tokens")
             record["tokens_per_s"] = round(tokens * run.world / (time.perf_counter() - start), 1)
             bar.update(1)
@@ -500,6 +512,12 @@ def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> 
         how = "interrupted; continue with --resume" if record.get("interrupted") else "done"
         print(f"step {run.step} of {cfg.max_steps} ({how}) after {(time.perf_counter() - start) / 60:.1f} min: "
               f"draft in {run.out / 'draft'}, checkpoint in {run.state_path}", file=sys.stderr)
+        if record and not taught:
+            record["nothing_taught"] = True
+            print("error: every step's loss was 0: no position was taught, so the draft learned nothing. The draft "
+                  "vocabulary holds none of the target's next tokens at the loss positions (too little data to "
+                  "choose one from?): train with --draft-vocab-size 0 (the whole vocabulary), or more data",
+                  file=sys.stderr)
     return record
 
 
@@ -998,5 +1016,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"{cfg.out} already holds a training run ({state}); add --resume to continue it (a larger "
                          "--max-steps extends it), or train into another --out")
     record = train(cfg, resume=args.resume)
-    print(json.dumps(record))
-    return 130 if record.get("interrupted") else 0
+    if record and not record.get("nothing_taught"):
+        acc = " / ".join(f"{a:.2f}" for a in record.get("acc_per_step", []))
+        print(f"last step: loss {record['loss']:.4g}, draft accuracy per TTT step {acc}, "
+              f"{record['tokens_per_s']:.0f} tokens/s (every step: {Path(cfg.out) / 'train_log.jsonl'})")
+    return 130 if record.get("interrupted") else 1 if record.get("nothing_taught") else 0
