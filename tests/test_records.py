@@ -32,6 +32,8 @@ def test_eval_prompts_keep_every_turn(tmp_path):
     (read_eval_prompts, [{"turns": ["a", 3]}], r"p\.jsonl:1: key 'turns' must be a list of strings"),
     (read_eval_prompts, [{"category": "x"}], r"p\.jsonl:1: expected .*found keys \['category'\]"),
     (read_eval_prompts, ["{oops"], r"p\.jsonl:1: not valid JSON"),
+    # json's own text may end in "at" ("Invalid control character at"): no second "at" follows it
+    (read_prompt_file, ['{"prompt": "abc'], r"p\.jsonl:1: not valid JSON \(Invalid control character at; column 16\)"),
 ])
 def test_errors_name_file_line_and_key(tmp_path, read, lines, message):
     with pytest.raises(DataError, match=message):

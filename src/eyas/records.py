@@ -44,7 +44,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}; column {e.colno})") from e
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             yield lineno, record

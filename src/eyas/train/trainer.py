@@ -481,7 +481,11 @@ def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> 
     tokens, start = 0, time.perf_counter()
     last_save = time.monotonic()
     taught = False  # whether any step had a loss: a draft vocabulary holding none of the target's tokens has none
-    with StopOnInterrupt() as interrupt:
+    # on any error too: streamed batches' fetches still in flight are cancelled, the bar leaves the terminal line
+    with contextlib.ExitStack() as cleanup, StopOnInterrupt() as interrupt:
+        cleanup.callback(bar.close)
+        if run.streamed is not None:
+            cleanup.callback(run.streamed.close)
         while run.step < cfg.max_steps:
             record = train_step(run)
             taught = taught or record.get("loss", 0.0) > 0
@@ -503,9 +507,6 @@ def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> 
             if stop:
                 record["interrupted"] = True
                 break
-    bar.close()
-    if run.streamed is not None:
-        run.streamed.close()
     if run.rank == 0:
         plot_log(run.log_path, run.out / "train_curves.png",
                  title=f"{cfg.draft_arch} draft for {Path(cfg.target).name}")
