@@ -13,7 +13,7 @@ from tiny import YARN, make_hf_checkpoint, make_served_checkpoint, read_config
 
 from eyas import LLM, SamplingParams
 from eyas.config import DeepseekV3Config, SpeculativeConfig
-from eyas.engine import block_proposer
+from eyas.engine import proposer
 from eyas.engine.sequence import check_invariants
 from eyas.export import save_dflash_draft
 from eyas.models.dflash import DFlashConfig, DFlashDraft
@@ -264,7 +264,7 @@ def test_a_pause_leaves_no_hole_in_the_draft_context(random_pair):
 def test_a_long_pause_keeps_at_most_max_pending_rows(random_pair, monkeypatch):
     """Drafting off for the whole run: once a sequence would keep more than MAX_PENDING_ROWS inputs they are written
     into the cache (no drafts), so a pause holds bounded memory; the cache then matches the context recomputed."""
-    monkeypatch.setattr(block_proposer, "MAX_PENDING_ROWS", 8)
+    monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 8)
     target, hf, draft_dir = random_pair
     config = SpeculativeConfig(method="dflash", draft_model=str(draft_dir), disable_batch_size=3)
     llm = LLM(target, speculative_config=config)

@@ -40,7 +40,7 @@ import torch
 
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, VerifyLayout
-from eyas.engine.proposer import MAX_PENDING_ROWS, Proposal, Proposer
+from eyas.engine.proposer import Proposal, Proposer
 from eyas.engine.sequence import Sequence
 
 
@@ -93,17 +93,10 @@ class BlockProposer(Proposer):
                 width: int) -> Proposal:
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
-        # the fused target states of the positions kept this step
-        kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
-        rows = [r for k in kept for r in k]
-        fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])  # [kept rows, H]
-        per_seq = list(fused.split([len(k) for k in kept]))
-        pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + len(k) for s, k in zip(seqs, kept)]
-        if width == 0 and max(pending) <= MAX_PENDING_ROWS:
-            # no draft work; keep the fused inputs for when drafting resumes (copies: a view would keep the whole
-            # step's rows alive)
-            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
-                            [x.clone() for x in per_seq], False)
+        per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)  # the fused target states kept this step
+        paused = self._paused(seqs, per_seq, width)
+        if paused is not None:
+            return paused
 
         # context: positions num_draft_computed..num_computed - 1 of every sequence into the draft's cache
         caught_up = any(s.pending_draft_inputs for s in seqs)

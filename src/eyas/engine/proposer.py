@@ -112,16 +112,10 @@ class Proposer:
                 width: int) -> Proposal:
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
-        kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
-        rows = [r for k in kept for r in k]
-        fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
-        per_seq = list(fused.split([len(k) for k in kept]))
-        pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + len(k) for s, k in zip(seqs, kept)]
-        if width == 0 and max(pending) <= MAX_PENDING_ROWS:
-            # no draft work; keep what step 0 needs for when drafting resumes (copies: a view would keep the
-            # whole step's rows alive)
-            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
-                            [x.clone() for x in per_seq], False)
+        per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)
+        paused = self._paused(seqs, per_seq, width)
+        if paused is not None:
+            return paused
 
         # step 0 over each sequence's positions num_draft_computed..num_computed - 1 (at width 0 too, once a pause
         # has kept MAX_PENDING_ROWS inputs of one sequence: the memory a pause holds stays bounded)
@@ -163,6 +157,23 @@ class Proposer:
             if seq.grammar is not None:
                 seq.grammar.rollback(steps + len(d))
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
+
+    def _kept_inputs(self, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
+                     num_accepted: list[int]) -> list[torch.Tensor]:
+        """Per sequence, the draft's fused inputs [kept rows, H] at the positions the target kept this step."""
+        kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
+        rows = [r for k in kept for r in k]
+        fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
+        return list(fused.split([len(k) for k in kept]))
+
+    def _paused(self, seqs: list[Sequence], per_seq: list[torch.Tensor], width: int) -> Proposal | None:
+        """At width 0, while no sequence keeps more than MAX_PENDING_ROWS inputs: no draft work, the inputs kept
+        for when drafting resumes (copies: a view would keep the whole step's rows alive). Else None."""
+        pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + x.shape[0] for s, x in zip(seqs, per_seq)]
+        if width == 0 and max(pending) <= MAX_PENDING_ROWS:
+            return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
+                            [x.clone() for x in per_seq], False)
+        return None
 
     def _budget(self, seq: Sequence, num_new: int, width: int) -> int:
         """Drafts for `seq` once `num_new` tokens are committed: the width, capped by its remaining max_tokens, the
