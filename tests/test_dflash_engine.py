@@ -364,8 +364,9 @@ def test_eyas_generate_runs_a_dflash_draft(served_pair, capsys):
     from eyas.cli import main as cli
 
     target, draft = served_pair
+    # a fixed width: the adaptive one follows measured step times, so two runs could draft differently
     base = ["generate", "--model", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
-            "--ignore-eos", "--json", "--no-speed-check"]
+            "--ignore-eos", "--json", "--no-speed-check", "--speculative-width", "fixed"]
     assert cli(base + ["--speculative-method", "none"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert cli(base + ["--speculative-method", "dflash", "--draft-model", str(draft)]) == 0
