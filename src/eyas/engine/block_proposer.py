@@ -104,10 +104,7 @@ class BlockProposer(Proposer):
 
         # budgets: the width, cut by max_tokens, the context length and the slots (sampling sequences only)
         drafts: list[list[int]] = [[] for _ in seqs]
-        budgets = [self._budget(seq, len(new), width) if i in layout.sampling else 0
-                   for i, (seq, new) in enumerate(zip(seqs, new_tokens))]
-        grammar_steps = [seq.grammar.advance(new) if seq.grammar is not None else 0
-                         for seq, new in zip(seqs, new_tokens)]
+        budgets, grammar_steps = self._budgets(seqs, layout, new_tokens, width)
         active = [i for i, k in enumerate(budgets) if k > 0]
         if active:
             # block: one forward for every drafting sequence, anchored at its newest token (position num_computed)
@@ -120,9 +117,7 @@ class BlockProposer(Proposer):
                     break
                 self._next_drafts(None, active, seqs, drafts, budgets,
                                   logits=logits[[block_row[i] for i in active], k])
-        for seq, steps, d in zip(seqs, grammar_steps, drafts):  # back to the committed state; commit advances it
-            if seq.grammar is not None:
-                seq.grammar.rollback(steps + len(d))
+        self._rollback_grammars(seqs, grammar_steps, drafts)
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
 
     def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int]) -> None:

@@ -133,10 +133,7 @@ class Proposer:
         last_rows = torch.tensor(lens).cumsum(0) - 1
 
         drafts: list[list[int]] = [[] for _ in seqs]
-        budgets = [self._budget(seq, len(new), width) if i in layout.sampling else 0
-                   for i, (seq, new) in enumerate(zip(seqs, new_tokens))]
-        grammar_steps = [seq.grammar.advance(new) if seq.grammar is not None else 0
-                         for seq, new in zip(seqs, new_tokens)]
+        budgets, grammar_steps = self._budgets(seqs, layout, new_tokens, width)
         active = [i for i, k in enumerate(budgets) if k > 0]
         positions = [num_computed[i] - 1 for i in active]  # each active sequence's last step-0 position
         hidden_k = prenorm[last_rows[active]] if active else prenorm[:0]
@@ -153,9 +150,7 @@ class Proposer:
                                            lanes=self.lanes)
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
             tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
-        for seq, steps, d in zip(seqs, grammar_steps, drafts):  # back to the committed state; commit advances it
-            if seq.grammar is not None:
-                seq.grammar.rollback(steps + len(d))
+        self._rollback_grammars(seqs, grammar_steps, drafts)
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
 
     def _kept_inputs(self, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
@@ -174,6 +169,23 @@ class Proposer:
             return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
                             [x.clone() for x in per_seq], False)
         return None
+
+    def _budgets(self, seqs: list[Sequence], layout: VerifyLayout, new_tokens: list[list[int]],
+                 width: int) -> tuple[list[int], list[int]]:
+        """Each sequence's draft budget (sampling sequences only; see _budget) and, with its grammar advanced over
+        the step's new tokens, how many steps that took (for _rollback_grammars)."""
+        budgets = [self._budget(seq, len(new), width) if i in layout.sampling else 0
+                   for i, (seq, new) in enumerate(zip(seqs, new_tokens))]
+        grammar_steps = [seq.grammar.advance(new) if seq.grammar is not None else 0
+                         for seq, new in zip(seqs, new_tokens)]
+        return budgets, grammar_steps
+
+    @staticmethod
+    def _rollback_grammars(seqs: list[Sequence], grammar_steps: list[int], drafts: list[list[int]]) -> None:
+        """Back to the committed state: the commit advances each matcher over what it keeps."""
+        for seq, steps, d in zip(seqs, grammar_steps, drafts):
+            if seq.grammar is not None:
+                seq.grammar.rollback(steps + len(d))
 
     def _budget(self, seq: Sequence, num_new: int, width: int) -> int:
         """Drafts for `seq` once `num_new` tokens are committed: the width, capped by its remaining max_tokens, the
