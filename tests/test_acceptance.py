@@ -132,6 +132,21 @@ def exact_marginals(model, prompt: list[int], params: SamplingParams, vocab: int
     return [p1, joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))]
 
 
+def assert_the_first_tokens_follow_the_target(llm: LLM, prompt: list[int], vocab: int) -> list:
+    """8,000 sampled requests of 4 tokens (the first from the prefill, then one verify of 2 drafts yields tokens 2
+    and 3, and a bonus 4th): tokens 1-3 against their exact marginals (chi-square, p > P_VALUE), both drafts of
+    every request verified. Returns the outputs."""
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt] * 8000, params)
+    exact = exact_marginals(llm.model, prompt, params, vocab)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    for position in range(3):
+        counts = torch.bincount(tokens[:, position], minlength=vocab).float()
+        assert chi_square_p_value(counts, exact[position]) > P_VALUE, position
+    assert sum(o.num_drafted for o in outs) >= 2 * 8000
+    return outs
+
+
 @pytest.mark.parametrize("checkpoint", ["random", "copying"])
 def test_residual_sampling_through_the_engine_keeps_the_distribution(tmp_path, checkpoint):
     from test_checkpoint import add_mtp_weights
@@ -143,17 +158,9 @@ def test_residual_sampling_through_the_engine_keeps_the_distribution(tmp_path, c
     if checkpoint == "copying":
         rig_bigram_target_and_copying_mtp(tmp_path)
     prompt = [3, 9, 4]
-    # 4 tokens: the first from the prefill, then one verify of 2 drafts yields tokens 2 and 3 (and a bonus 4th)
-    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_tokens=4, ignore_eos=True)
     torch.manual_seed(11)
     llm = LLM(tmp_path, max_num_seqs=512, speculative_method="mtp", num_speculative_tokens=2)
-    outs = llm.generate([prompt] * 8000, params)
-    exact = exact_marginals(llm.model, prompt, params, vocab)
-    tokens = torch.tensor([o.token_ids for o in outs])
-    for position in range(3):
-        counts = torch.bincount(tokens[:, position], minlength=vocab).float()
-        assert chi_square_p_value(counts, exact[position]) > P_VALUE, position
-    assert sum(o.num_drafted for o in outs) >= 2 * 8000  # both drafts of every request were really verified
+    outs = assert_the_first_tokens_follow_the_target(llm, prompt, vocab)
     accepted = sum(o.num_accepted for o in outs) / sum(o.num_drafted for o in outs)
     # measured 0.22 and 0.02: the copying draft proposes the target's mode, accepted with probability p(mode)
     assert accepted > 0.15 if checkpoint == "copying" else accepted < 0.1
