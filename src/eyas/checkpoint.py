@@ -76,10 +76,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto",
             tensors[key] = tensors[key].float()
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    assign_weights(model, tensors, path, device, shared=tied)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    assign_weights(model, tensors, path, device, shared=model.tied_weights)
+    model.tie_weights()
     # DeepSeek's MTP layers share the main embedding and head; checkpoints store copies. Sharing the tensors
     # again halves their memory and keeps one head matrix hot in cache when the MTP layer drafts.
     for i in range(config.num_nextn_predict_layers):
@@ -109,9 +107,8 @@ def load_target_head(path: str | Path, dtype: str | torch.dtype | None = "auto",
                              source=str(path))
     with torch.device("meta"):
         head = TargetHead(config)
-    assign_weights(head, tensors, path, device, shared={"lm_head.weight"} if config.tie_word_embeddings else ())
-    if config.tie_word_embeddings:
-        head.lm_head.weight = head.model.embed_tokens.weight
+    assign_weights(head, tensors, path, device, shared=head.tied_weights)
+    head.tie_weights()
     return head.requires_grad_(False).eval()
 
 

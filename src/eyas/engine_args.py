@@ -1,6 +1,8 @@
 """`EngineArgs`: the engine settings `eyas generate`, `serve`, `bench serve`, `eval` and `regenerate` share, the
 flags that fill them, and the `LLM` they describe (vLLM's pattern: one dataclass with `add_cli_args` and
-`from_cli_args`, so a flag's name, default and help live in one place).
+`from_cli_args`, so a flag's name, default and help live in one place). Each flag's default is its field's; a
+speculative setting passed to SpeculativeConfig unchanged takes SpeculativeConfig's default, so each default is
+written once.
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
@@ -11,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from eyas.config import REJECTION_STRATEGIES, SpeculativeConfig, read_config_json
+from eyas.config import DEFAULT_NUM_SPECULATIVE_TOKENS, REJECTION_STRATEGIES, SpeculativeConfig, read_config_json
 from eyas.engine.llm import LLM
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
@@ -31,6 +34,14 @@ MODEL_HELP = "HF checkpoint directory of the target (default: the bundled tiny D
 OPTIONAL_FLAGS = ("--dtype", "--device", "--max-model-len", "--kv-cache-memory")
 
 
+def field_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's field defaults by name (fields with a default_factory left out)."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+_SPECULATIVE = field_defaults(SpeculativeConfig)
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """What the engine is built from; each field is the flag of the same name."""
@@ -42,46 +53,52 @@ class EngineArgs:
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory: float | None = None  # GiB; None: 0.25 on CPU, 90% of free accelerator memory
     threads: int | None = None  # None: the rule in eyas.threads
-    # speculative decoding; speculative_method None: decided by speculative_config()
+    # speculative decoding; speculative_method None: decided by speculative_config(). The settings it passes on to
+    # SpeculativeConfig as they are take SpeculativeConfig's defaults (whose comments say what they mean)
     speculative_method: str | None = None
-    draft_model: Path | None = None
-    num_speculative_tokens: int | None = None  # None: 3, or a DFlash draft's block_size - 1
+    draft_model: Path | None = _SPECULATIVE["draft_model"]
+    num_speculative_tokens: int | None = _SPECULATIVE["num_speculative_tokens"]  # for dflash: block_size - 1
     num_speculative_tokens_per_batch_size: str | None = None  # JSON, as the flag takes it: read when speculating
     speculative_disable_batch_size: int | None = None  # None: the device's default; 0: never disable
     speculative_width: str = "adaptive"  # adaptive: chosen by measurement up to K; fixed: K (or the overrides)
-    num_speculative_tokens_mixed_batch: int | None = None
-    rejection_sampling_strategy: str = "residual"
-    synthetic_acceptance_rate: float | None = None
-    relaxed_thinking: bool = False
-    relaxed_thinking_topk: int = 10
-    relaxed_thinking_delta: float = 0.6
-    allow_unused_draft_weights: bool = False
-    aux_layer_convention: str | None = None
+    num_speculative_tokens_mixed_batch: int | None = _SPECULATIVE["num_speculative_tokens_mixed_batch"]
+    rejection_sampling_strategy: str = _SPECULATIVE["rejection_sampling_strategy"]
+    synthetic_acceptance_rate: float | None = _SPECULATIVE["synthetic_acceptance_rate"]
+    relaxed_thinking: bool = _SPECULATIVE["relaxed_thinking"]
+    relaxed_thinking_topk: int = _SPECULATIVE["relaxed_thinking_topk"]
+    relaxed_thinking_delta: float = _SPECULATIVE["relaxed_thinking_delta"]
+    allow_unused_draft_weights: bool = _SPECULATIVE["allow_unused_draft_weights"]
+    aux_layer_convention: str | None = _SPECULATIVE["aux_layer_convention"]
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP, max_num_seqs: int = 16,
-                     without: tuple[str, ...] = (), speculative: bool = True, title: str = "engine") -> None:
-        """Add the engine flags to a command's parser. A command that differs says how: its own --model help or
-        --max-num-seqs default, engine flags it does not take (`without`, from OPTIONAL_FLAGS), no speculative
-        flags. --model joins the command's own options; the other engine flags form the group `title`."""
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_help: str = MODEL_HELP,
+                     max_num_seqs: int | None = None, without: tuple[str, ...] = (), speculative: bool = True,
+                     title: str = "engine") -> None:
+        """Add the engine flags to a command's parser, each defaulting to its field's default. A command that
+        differs says how: its own --model help or --max-num-seqs default, engine flags it does not take (`without`,
+        from OPTIONAL_FLAGS), no speculative flags. --model joins the command's own options; the other engine flags
+        form the group `title`."""
         unknown = set(without) - set(OPTIONAL_FLAGS)
         if unknown:
             raise ValueError(f"add_cli_args: {sorted(unknown)} cannot be left out; expected some of {OPTIONAL_FLAGS}")
-        parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help=model_help)
+        defaults = field_defaults(EngineArgs)
+        if max_num_seqs is not None:
+            defaults["max_num_seqs"] = max_num_seqs
+        _flag(parser, "--model", defaults, type=Path, help=model_help)
         g = parser.add_argument_group(title)
-        g.add_argument("--max-num-seqs", type=int, default=max_num_seqs, help="sequences decoded together")
+        _flag(g, "--max-num-seqs", defaults, type=int, help="sequences decoded together")
         if "--max-model-len" not in without:
-            g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+            _flag(g, "--max-model-len", defaults, type=int, help="context length (default: the model's)")
         if "--kv-cache-memory" not in without:
-            g.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB (default: "
-                           "0.25 on CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
+            _flag(g, "--kv-cache-memory", defaults, type=float, metavar="GIB", help="KV cache budget in GiB "
+                  "(default: 0.25 on CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
         if "--dtype" not in without:
-            g.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+            _flag(g, "--dtype", defaults, help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
         if "--device" not in without:
-            g.add_argument("--device", default="cpu", help="cpu or cuda")
-        g.add_argument("--threads", type=int, help=THREADS_HELP)
+            _flag(g, "--device", defaults, help="cpu or cuda")
+        _flag(g, "--threads", defaults, type=int, help=THREADS_HELP)
         if speculative:
-            _add_speculative_args(parser)
+            _add_speculative_args(parser, defaults)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -158,50 +175,57 @@ def _per_batch_size_rules(text: str | None) -> list:
     return rules
 
 
-def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+def _flag(group: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, defaults: dict[str, Any],
+          **kwargs: Any) -> None:
+    """Add `flag` (--draft-model) with the default of the field it fills (draft_model): no flag has its own."""
+    group.add_argument(flag, default=defaults[flag.removeprefix("--").replace("-", "_")], **kwargs)
+
+
+def _add_speculative_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
     s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", choices=["eagle", "mtp", "dflash", "none"],
-                   help="eagle: an EAGLE-3 draft head (--draft-model), one draft token per draft forward; mtp: the "
-                   "target's own NextN layer; dflash: a DFlash block draft (--draft-model, z-lab's layout), whose "
-                   "one forward proposes a whole block of drafts; none: plain decoding. Default: dflash or eagle "
-                   "when --draft-model is given (as its config.json names it); for the bundled tiny target, eagle "
-                   "with its bundled MLA draft; otherwise none")
-    s.add_argument("--draft-model", type=Path, help="draft directory: EAGLE-3 (vLLM, SGLang, Model Optimizer, MAX "
-                   "or eyas layout; MLA or Llama-style MHA) or DFlash (z-lab's layout, as vLLM and SGLang load it)")
-    s.add_argument("--num-speculative-tokens", type=int, help="drafts verified per step (K); default 3, and for "
-                   "dflash the draft's block_size - 1 (at most that: its block is the anchor and that many drafts)")
-    s.add_argument("--num-speculative-tokens-per-batch-size", metavar="JSON",
-                   help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
-                   '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
-    s.add_argument("--speculative-disable-batch-size", type=int, metavar="N",
-                   help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
-                   "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
-                   "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
-                   f"Default: with --speculative-width fixed, {CPU_DISABLE_BATCH_SIZE} on CPU and off on GPUs; "
-                   "with adaptive, off; 0: never disable")
-    s.add_argument("--speculative-width", choices=["adaptive", "fixed"], default="adaptive",
-                   help="adaptive: per batch size, the verify width (0..K drafts) with the most tokens per second, "
-                   "from measured step times and acceptance (Modular MAX's policy; --speculative-disable-batch-size "
-                   "and --num-speculative-tokens-per-batch-size still rule where they apply); fixed: K, with "
-                   f"drafting off from {CPU_DISABLE_BATCH_SIZE} running sequences on CPU unless "
-                   "--speculative-disable-batch-size says otherwise")
-    s.add_argument("--num-speculative-tokens-mixed-batch", type=int, metavar="N", help="at most N drafts for a step "
-                   "that also prefills prompts (it is compute-bound already); default: no cap")
-    s.add_argument("--rejection-sampling-strategy", choices=list(REJECTION_STRATEGIES), default="residual",
-                   help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
-                   "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
-                   "when sampling); typical or typical-acceptance: Medusa's typical acceptance (LOSSY: output is not "
-                   "the target's); logit-comparison: accept while the draft's and the target's top tokens agree "
-                   "(exact for greedy requests, LOSSY for sampled ones)")
-    s.add_argument("--synthetic-acceptance-rate", type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
-                   "position with this probability regardless of the draft, to measure engine overhead")
-    s.add_argument("--relaxed-thinking", action="store_true", help="LOSSY: inside <think>...</think>, accept a "
-                   "draft among the target's top-k whose log-prob is within delta of the best")
-    s.add_argument("--relaxed-thinking-topk", type=int, default=10)
-    s.add_argument("--relaxed-thinking-delta", type=float, default=0.6)
-    s.add_argument("--allow-unused-draft-weights", action="store_true", help="load a draft whose file holds weights "
-                   "its config does not use (for example fc_norm.* with fc_norm false), dropping them; without it "
-                   "that is an error naming them and the switch that would use them")
-    s.add_argument("--aux-layer-convention", choices=["hidden_states", "layer_output"],
-                   help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
-                   "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")
+    _flag(s, "--speculative-method", defaults, choices=["eagle", "mtp", "dflash", "none"],
+          help="eagle: an EAGLE-3 draft head (--draft-model), one draft token per draft forward; mtp: the "
+          "target's own NextN layer; dflash: a DFlash block draft (--draft-model, z-lab's layout), whose "
+          "one forward proposes a whole block of drafts; none: plain decoding. Default: dflash or eagle "
+          "when --draft-model is given (as its config.json names it); for the bundled tiny target, eagle "
+          "with its bundled MLA draft; otherwise none")
+    _flag(s, "--draft-model", defaults, type=Path, help="draft directory: EAGLE-3 (vLLM, SGLang, Model Optimizer, "
+          "MAX or eyas layout; MLA or Llama-style MHA) or DFlash (z-lab's layout, as vLLM and SGLang load it)")
+    _flag(s, "--num-speculative-tokens", defaults, type=int, help=f"drafts verified per step (K); default "
+          f"{DEFAULT_NUM_SPECULATIVE_TOKENS}, and for dflash the draft's block_size - 1 (at most that: its block is "
+          "the anchor and that many drafts)")
+    _flag(s, "--num-speculative-tokens-per-batch-size", defaults, metavar="JSON",
+          help='K by running batch size, e.g. \'[{"batch_start": 1, "batch_end": 4, "num_tokens": 4}, '
+          '{"batch_start": 5, "batch_end": 64, "num_tokens": 2}]\'')
+    _flag(s, "--speculative-disable-batch-size", defaults, type=int, metavar="N",
+          help="no draft work while N or more sequences run (verifying K + 1 rows per sequence costs more "
+          "than it saves once a step is compute-bound), so such steps cost what plain steps cost; when the "
+          "batch shrinks, drafting resumes with the draft attending to the positions computed since. "
+          f"Default: with --speculative-width fixed, {CPU_DISABLE_BATCH_SIZE} on CPU and off on GPUs; "
+          "with adaptive, off; 0: never disable")
+    _flag(s, "--speculative-width", defaults, choices=["adaptive", "fixed"],
+          help="adaptive: per batch size, the verify width (0..K drafts) with the most tokens per second, "
+          "from measured step times and acceptance (Modular MAX's policy; --speculative-disable-batch-size "
+          "and --num-speculative-tokens-per-batch-size still rule where they apply); fixed: K, with "
+          f"drafting off from {CPU_DISABLE_BATCH_SIZE} running sequences on CPU unless "
+          "--speculative-disable-batch-size says otherwise")
+    _flag(s, "--num-speculative-tokens-mixed-batch", defaults, type=int, metavar="N", help="at most N drafts for a "
+          "step that also prefills prompts (it is compute-bound already); default: no cap")
+    _flag(s, "--rejection-sampling-strategy", defaults, choices=list(REJECTION_STRATEGIES),
+          help="greedy: accept drafts equal to the target's own choice (lossless); residual: rejection "
+          "sampling, accept with min(1, p/q) else resample from max(0, p - q) (lossless, accepts more "
+          "when sampling); typical or typical-acceptance: Medusa's typical acceptance (LOSSY: output is not "
+          "the target's); logit-comparison: accept while the draft's and the target's top tokens agree "
+          "(exact for greedy requests, LOSSY for sampled ones)")
+    _flag(s, "--synthetic-acceptance-rate", defaults, type=float, help="BENCHMARK ONLY, LOSSY: accept each draft "
+          "position with this probability regardless of the draft, to measure engine overhead")
+    _flag(s, "--relaxed-thinking", defaults, action="store_true", help="LOSSY: inside <think>...</think>, accept a "
+          "draft among the target's top-k whose log-prob is within delta of the best")
+    _flag(s, "--relaxed-thinking-topk", defaults, type=int)
+    _flag(s, "--relaxed-thinking-delta", defaults, type=float)
+    _flag(s, "--allow-unused-draft-weights", defaults, action="store_true", help="load a draft whose file holds "
+          "weights its config does not use (for example fc_norm.* with fc_norm false), dropping them; without it "
+          "that is an error naming them and the switch that would use them")
+    _flag(s, "--aux-layer-convention", defaults, choices=["hidden_states", "layer_output"],
+          help="how to read the draft's aux layer ids: hidden_states (vLLM/SGLang/MAX) or layer_output "
+          "(Model Optimizer, one lower); default: detected from the draft's config, else hidden_states")

@@ -363,26 +363,6 @@ class DeepseekV3Model(nn.Module):
         return self.layers[self.config.num_hidden_layers + index]
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # in gemv_layout this is also the fastest form for many rows: 0.27 against 0.55 ms for 4 verify rows and
-        # 2.5 against 3.3 ms for 128, against a row-major copy multiplied as W @ hidden^T (bundled target's head)
-        return self.lm_head(hidden)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for input_ids [batch, seq], no cache."""
-        hidden, _ = self.model(input_ids)
-        return self.compute_logits(hidden)
-
-
 class _HeadModel(nn.Module):
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
@@ -395,14 +375,39 @@ class TargetHead(nn.Module):
     `model.norm`, `lm_head`): all that training a draft reads of the target when its hidden states come from
     elsewhere (a dump, a server). A 671B target's are a few GB."""
 
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, model: DeepseekV3Model | _HeadModel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = _HeadModel(config)
+        self.model = model if model is not None else _HeadModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    @property
+    def tied_weights(self) -> tuple[str, ...]:
+        """The state-dict names `tie_weights` fills from another weight: a checkpoint need not hold them."""
+        return ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings, lm_head's matrix is the embedding's tensor; a loader that assigned new tensors
+        ties them again."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # in gemv_layout this is also the fastest form for many rows: 0.27 against 0.55 ms for 4 verify rows and
+        # 2.5 against 3.3 ms for 128, against a row-major copy multiplied as W @ hidden^T (bundled target's head)
         return self.lm_head(hidden)
+
+
+class DeepseekV3ForCausalLM(TargetHead):
+    """The whole target: the head (its lm_head, tie and compute_logits) with `model` the whole decoder, whose
+    embed_tokens and norm are the head's."""
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config, DeepseekV3Model(config))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for input_ids [batch, seq], no cache."""
+        hidden, _ = self.model(input_ids)
+        return self.compute_logits(hidden)
 
