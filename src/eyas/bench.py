@@ -107,9 +107,7 @@ async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperatu
     all (httpx's own timeout bounds each read, which a server sending a byte now and then never trips)."""
     from eyas.client import MAX_RESPONSE_BYTES
 
-    body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
-    body["messages" if req.endpoint == "chat/completions" else "prompt"] = req.prompt
+    body = _request_body(model, req, temperature)
     result = RequestResult(req.prompt_len, req.output_len)
     counted = 0  # tokens seen in the chunks, for a server that sends no usage
     start = last = time.perf_counter()
@@ -159,13 +157,28 @@ async def send(http: httpx.AsyncClient, model: str, req: BenchRequest, temperatu
         return result
     if result.error is not None:
         return result
-    result.e2e = time.perf_counter() - start
+    _finish(result, req, time.perf_counter() - start, counted)
+    return result
+
+
+def _request_body(model: str, req: BenchRequest, temperature: float) -> dict:
+    """The streaming request's JSON: `ignore_eos` with `max_tokens`, so the output has exactly the length asked for,
+    and `return_token_ids`, so a chunk carrying several speculative tokens counts them all."""
+    body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+    body["messages" if req.endpoint == "chat/completions" else "prompt"] = req.prompt
+    return body
+
+
+def _finish(result: RequestResult, req: BenchRequest, e2e: float, counted: int) -> None:
+    """Fill in a completed stream's E2E, output length (the usage's, else the tokens counted in the chunks) and
+    TPOT, and mark an output of another length than asked for as an error."""
+    result.e2e = e2e
     result.output_len = result.output_len or counted
     if result.output_len > 1 and result.ttft is not None:
         result.tpot = (result.e2e - result.ttft) / (result.output_len - 1)
     if result.output_len != req.output_len:
         result.error = f"expected {req.output_len} output tokens, got {result.output_len}"
-    return result
 
 
 async def _lines(r: httpx.Response, limit: int) -> AsyncIterator[str]:

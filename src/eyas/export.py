@@ -48,6 +48,7 @@ from eyas.models.eagle3 import (
     AUX_IDS_FIELD,
     EAGLE31_SWITCHES,
     SPECULATORS_ARCHITECTURE,
+    Eagle3Config,
     Eagle3Draft,
 )
 from eyas.paths import DEFAULT_MODEL
@@ -151,15 +152,7 @@ def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = 
                               "--format vllm (vLLM), sglang (SGLang, SpecForge), max (MAX), modelopt or eyas")
         return _speculators_config(draft_config_dict(draft, "eyas", dtype, rope_scaling), draft, verifier,
                                    num_speculative_tokens)
-    if mla and fmt == "vllm" and c.mla.q_lora_rank is None:
-        raise ExportError("the draft's q_lora_rank is null (a q_proj draft); vLLM's MLA draft fuses q_a_proj with "
-                          "kv_a_proj_with_mqa and needs q_lora_rank set. Export --format sglang or eyas instead")
-    if fmt == "sglang" and c.num_aux_hidden_states != 3:
-        raise ExportError(f"the draft fuses {c.num_aux_hidden_states} aux hidden states; SGLang and SpecForge build "
-                          "fc as 3 x target_hidden_size. Export --format vllm, max or eyas instead")
-    if spec.convention is AuxConvention.LAYER_OUTPUT and 0 in c.aux_hidden_state_ids:
-        raise ExportError(f"aux id 0 (the embeddings) in {list(c.aux_hidden_state_ids)} has no layer_output number; "
-                          "Model Optimizer can only name decoder-layer outputs")
+    _check_loadable(c, spec)
     rope, max_pos = c.rope, c.max_position_embeddings
     if rope_scaling:
         rope = scaled_rope(rope, rope_scaling)
@@ -177,17 +170,7 @@ def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = 
         "max_position_embeddings": max_pos, "tie_word_embeddings": False,
         "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
     }
-    if mla:
-        m = c.mla
-        # no n_routed_experts: the draft's one layer is dense (vLLM needs an integer or nothing here)
-        cfg.update(num_key_value_heads=c.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-                   v_head_dim=m.v_head_dim)
-        cfg.update(rope.to_hf())
-    else:
-        cfg.update(num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim)
-        # Llama rope is rotate-half whatever rope_interleave says, so the field is left out
-        cfg.update({k: v for k, v in rope.to_hf().items() if k != "rope_interleave"})
+    cfg.update(_attention_fields(c, rope))
 
     eagle: dict[str, Any] = {AUX_IDS_FIELD: file_ids, AUX_CONVENTION_FIELD: spec.convention.value,
                              "use_aux_hidden_state": True}
@@ -199,6 +182,32 @@ def draft_config_dict(draft: Eagle3Draft, fmt: str, dtype: torch.dtype | None = 
         cfg[AUX_CONVENTION_FIELD] = spec.convention.value
     cfg.update(c.switches)
     return cfg
+
+
+def _check_loadable(c: Eagle3Config, spec: DraftFormat) -> None:
+    """Refuse a draft the engine reading format `spec` could not load as it is."""
+    if c.arch == "mla" and spec.name == "vllm" and c.mla.q_lora_rank is None:
+        raise ExportError("the draft's q_lora_rank is null (a q_proj draft); vLLM's MLA draft fuses q_a_proj with "
+                          "kv_a_proj_with_mqa and needs q_lora_rank set. Export --format sglang or eyas instead")
+    if spec.name == "sglang" and c.num_aux_hidden_states != 3:
+        raise ExportError(f"the draft fuses {c.num_aux_hidden_states} aux hidden states; SGLang and SpecForge build "
+                          "fc as 3 x target_hidden_size. Export --format vllm, max or eyas instead")
+    if spec.convention is AuxConvention.LAYER_OUTPUT and 0 in c.aux_hidden_state_ids:
+        raise ExportError(f"aux id 0 (the embeddings) in {list(c.aux_hidden_state_ids)} has no layer_output number; "
+                          "Model Optimizer can only name decoder-layer outputs")
+
+
+def _attention_fields(c: Eagle3Config, rope: RopeConfig) -> dict[str, Any]:
+    """The attention and rope fields of the draft's layer: DeepSeek MLA dims, or Llama MHA heads."""
+    if c.arch == "mla":
+        m = c.mla
+        # no n_routed_experts: the draft's one layer is dense (vLLM needs an integer or nothing here)
+        return {"num_key_value_heads": c.num_attention_heads, "q_lora_rank": m.q_lora_rank,
+                "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+                "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, **rope.to_hf()}
+    # Llama rope is rotate-half whatever rope_interleave says, so the field is left out
+    return {"num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            **{k: v for k, v in rope.to_hf().items() if k != "rope_interleave"}}
 
 
 def _speculators_config(flat: dict, draft: Eagle3Draft, verifier: dict | None, num_speculative_tokens: int) -> dict:

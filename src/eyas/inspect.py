@@ -28,6 +28,7 @@ from eyas.models.eagle3 import (
     EAGLE31_SWITCHES,
     MODELOPT_EAGLE_KEYS,
     SWITCH_WEIGHTS,
+    Eagle3Draft,
     is_speculators_config,
 )
 from eyas.paths import DEFAULT_MODEL
@@ -163,8 +164,29 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
     readings = {}
     if isinstance(file_ids, list):
         readings = {c.value: _reading(file_ids, c, L) for c in AuxConvention}
+    facts = _file_facts(draft_dir, raw, field, file_ids, readings)
+    target = load_target_head(target_dir, stored_dtype(draft_dir) or torch.float32)
+    try:
+        draft = _load(draft_dir, target, aux_convention, warnings)
+    except (ConfigError, CheckpointError) as e:
+        problems.append(str(e))
+        return facts
+    facts.update(_loaded_facts(draft_dir, draft))
+    more_problems, more_warnings = _aux_id_problems(draft, raw, file_ids, L, aux_convention, readings)
+    problems += more_problems
+    warnings += more_warnings
+    c, t = draft.config, config.rope
+    if (c.rope.type, c.rope.theta) != (t.type, t.theta):
+        warnings.append(f"draft rope ({c.rope.type}, theta {c.rope.theta:g}) differs from the target's ({t.type}, "
+                        f"theta {t.theta:g}); fine if the draft was trained so. A draft trained short and served long "
+                        "can get YaRN with `eyas export --rope-scaling-factor`")
+    return facts
+
+
+def _file_facts(draft_dir: Path, raw: dict, field: str, file_ids: Any, readings: dict) -> dict[str, Any]:
+    """What the draft's config.json says, before anything is loaded."""
     model_type = raw.get("model_type") or (raw.get("transformer_layer_config") or {}).get("model_type")
-    facts: dict[str, Any] = {
+    return {
         "path": str(draft_dir),
         "architecture in file": f"{', '.join(raw.get('architectures') or ['?'])} (model_type {model_type}"
                                 f"{', speculators format' if is_speculators_config(raw) else ''})",
@@ -173,15 +195,12 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
                                         for name in EAGLE31_SWITCHES),
         **{f"read as {name}": value for name, value in readings.items()},
     }
-    target = load_target_head(target_dir, stored_dtype(draft_dir) or torch.float32)
-    try:
-        draft = _load(draft_dir, target, aux_convention, warnings)
-    except (ConfigError, CheckpointError) as e:
-        problems.append(str(e))
-        return facts
+
+
+def _loaded_facts(draft_dir: Path, draft: Eagle3Draft) -> dict[str, Any]:
+    """What loading the draft found: its architecture, aux ids, vocab, rope, weights and dtype."""
     rep, c = draft.load_report, draft.config
-    assumed = rep["aux_convention"].split(" ", 1)[0]
-    facts.update({
+    return {
         "architecture": f"{rep['architecture']} ({c.arch.upper()})",
         "layout": rep["layout"],
         "aux ids (hidden_states)": list(draft.aux_hidden_state_ids),
@@ -194,13 +213,21 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
                     f"lm_head {rep['lm_head']}"),
         "dtype": (f"{DTYPE_NAMES.get(stored_dtype(draft_dir), '?')} in the file"
                   + (", projections in FP8 blocks (dequantized on load)" if rep["fp8"] else ", not quantized")),
-    })
+    }
+
+
+def _aux_id_problems(draft: Eagle3Draft, raw: dict, file_ids: Any, num_layers: int, aux_convention: str | None,
+                     readings: dict) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the loaded draft's aux ids: the layers they fuse, and their convention."""
+    L = num_layers
+    problems, warnings = [], []
     for i in draft.aux_hidden_state_ids:
         if i == 0:
             problems.append("aux id hidden_states 0 fuses the embeddings, not a decoder layer's output")
         elif i == L:
             problems.append(f"aux id hidden_states {L} fuses the final decoder layer's output (the state the target's "
                             "own head reads); EAGLE-3 fuses early, middle and late layers below it")
+    assumed = draft.load_report["aux_convention"].split(" ", 1)[0]
     more_problems, more_warnings = _convention_problems(raw, file_ids if isinstance(file_ids, list) else None,
                                                         assumed, L, aux_convention, readings)
     if assumed == AuxConvention.LAYER_OUTPUT.value and isinstance(file_ids, list):
@@ -208,14 +235,7 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
                         f"{MODELOPT_MISREADERS} would read them as hidden_states {readings['hidden_states']}, one "
                         "layer early, with no warning and lower acceptance; give those engines an `eyas export "
                         "--format vllm|sglang|max` of this draft")
-    problems += more_problems
-    warnings += more_warnings
-    t = config.rope
-    if (c.rope.type, c.rope.theta) != (t.type, t.theta):
-        warnings.append(f"draft rope ({c.rope.type}, theta {c.rope.theta:g}) differs from the target's ({t.type}, "
-                        f"theta {t.theta:g}); fine if the draft was trained so. A draft trained short and served long "
-                        "can get YaRN with `eyas export --rope-scaling-factor`")
-    return facts
+    return problems + more_problems, warnings + more_warnings
 
 
 def _switch_problems(raw: dict, keys: set[str]) -> list[str]:

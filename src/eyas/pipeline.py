@@ -119,23 +119,7 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
     train_data = work / "train_data.jsonl"
 
     def flags(stage: str, section: dict) -> list[str]:
-        command = stage.replace("_", "-")
-        reserved = sorted(RESERVED[stage] & {str(k).replace("-", "_") for k in section})
-        if reserved:
-            raise PipelineError(f"{recipe_path}: {stage} sets {reserved}, which the pipeline sets itself")
-        settings = settings_from_mapping(section, commands[command], command, f"{recipe_path} ({stage})")
-        argv = []
-        for dest, value in settings.items():
-            option = "--" + dest.replace("_", "-")
-            if value is None or value is False:
-                continue
-            if value is True:
-                argv.append(option)
-            elif isinstance(value, list):
-                argv += [option, *map(str, value)]
-            else:
-                argv += [option, str(value)]
-        return argv
+        return _section_flags(stage, section, commands, recipe_path)
 
     out: list[tuple[str, list[str]]] = []
     if recipe.get("regenerate") is not None:
@@ -165,17 +149,47 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
         out.append(("eval", ["eval", str(prompts), "--model", target, "--speculative-method", "eagle",
                              "--draft-model", draft, "--out", str(own / "eval.json"), *flags("eval", section)]))
     if recipe.get("export") is not None:
-        section = dict(recipe["export"])
-        formats = section.pop("formats", None) or [section.pop("format", None)]
-        section.pop("format", None)
-        if formats == [None] or not isinstance(formats, list):
-            raise PipelineError(f"{recipe_path}: export needs `format` or a `formats` list")
-        known = next(a for a in commands["export"]._actions if a.dest == "format").choices
-        for fmt in formats:
-            if fmt not in known:  # checked here, before it names a directory
-                raise PipelineError(f"{recipe_path}: export format {fmt!r} is not one of {', '.join(known)}")
-            out.append((f"export {fmt}", ["export", draft, str(own / f"export-{fmt}"), "--format", str(fmt),
-                                          "--target", target, *flags("export", section)]))
+        out += _export_commands(recipe["export"], draft, own, target, commands, recipe_path)
+    return out
+
+
+def _section_flags(stage: str, section: dict, commands: dict[str, argparse.ArgumentParser],
+                   recipe_path: Path) -> list[str]:
+    """A stage section's options as the command line of its eyas command, refusing the options the pipeline sets."""
+    command = stage.replace("_", "-")
+    reserved = sorted(RESERVED[stage] & {str(k).replace("-", "_") for k in section})
+    if reserved:
+        raise PipelineError(f"{recipe_path}: {stage} sets {reserved}, which the pipeline sets itself")
+    settings = settings_from_mapping(section, commands[command], command, f"{recipe_path} ({stage})")
+    argv = []
+    for dest, value in settings.items():
+        option = "--" + dest.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(option)
+        elif isinstance(value, list):
+            argv += [option, *map(str, value)]
+        else:
+            argv += [option, str(value)]
+    return argv
+
+
+def _export_commands(export: dict, draft: str, own: Path, target: str, commands: dict[str, argparse.ArgumentParser],
+                     recipe_path: Path) -> list[tuple[str, list[str]]]:
+    """One export stage per format of the export section, each writing WORK/NAME/export-FORMAT."""
+    section = dict(export)
+    formats = section.pop("formats", None) or [section.pop("format", None)]
+    section.pop("format", None)
+    if formats == [None] or not isinstance(formats, list):
+        raise PipelineError(f"{recipe_path}: export needs `format` or a `formats` list")
+    known = next(a for a in commands["export"]._actions if a.dest == "format").choices
+    out = []
+    for fmt in formats:
+        if fmt not in known:  # checked here, before it names a directory
+            raise PipelineError(f"{recipe_path}: export format {fmt!r} is not one of {', '.join(known)}")
+        out.append((f"export {fmt}", ["export", draft, str(own / f"export-{fmt}"), "--format", str(fmt),
+                                      "--target", target, *_section_flags("export", section, commands, recipe_path)]))
     return out
 
 

@@ -15,7 +15,7 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -71,6 +71,17 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
     app = FastAPI(title="eyas", lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.metrics = metrics
+    _add_error_handlers(app, metrics)
+    check_api_key = _api_key_check(api_key)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    _add_health_routes(app, metrics, [] if public_metrics else [Depends(check_api_key)])
+    _add_openai_routes(v1, llm, engine, model_name, max_request_bytes)
+    app.include_router(v1)
+    return AccessLog(app)
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every refusal, and every bug, answered with an OpenAI error body."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -91,6 +102,10 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
         return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
                             status_code=e.status_code)
 
+
+def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
+    """The dependency that refuses a request without `Authorization: Bearer <api_key>` (none without a key)."""
+
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -101,20 +116,28 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
         if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    return check_api_key
+
+
+def _add_health_routes(app: FastAPI, metrics: ServerMetrics, metrics_dependencies: list) -> None:
+    """GET /health (always open) and /metrics (Prometheus text, behind `metrics_dependencies`)."""
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/metrics", dependencies=metrics_dependencies)
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_openai_routes(v1: APIRouter, llm: LLM, engine: EngineLoop, model_name: str, max_request_bytes: int) -> None:
+    """GET /v1/models, POST /v1/completions and /v1/chat/completions."""
+
     @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "eyas",
                                             "max_model_len": llm.max_model_len}]}
-
-    @app.get("/metrics", dependencies=[] if public_metrics else [Depends(check_api_key)])
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -128,9 +151,6 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None, enable_docs
         max_tokens = body.max_completion_tokens or body.max_tokens
         messages = [m.as_dict() for m in body.messages]
         return await _respond(request, engine, body, messages, max_tokens, "chat.completion", model_name)
-
-    app.include_router(v1)
-    return AccessLog(app)
 
 
 class AccessLog:

@@ -392,35 +392,13 @@ def _tensor(path: Path, tensors: dict[str, torch.Tensor], key: str, ndim: int, e
 def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> DumpedSequence:
     """A file's token ids, loss mask and states, checked against `layout`: every error names the file, the key
     and what was expected."""
-    fmt, H = layout.fmt, layout.hidden_size
-    n = len(layout.file_ids)
+    fmt = layout.fmt
     if fmt.name == "vllm":
-        tensors = load_vllm_file(path, with_states, max_file_bytes(layout))
-        ids = _tensor(path, tensors, "token_ids", 1, "[T]")
-        states = _tensor(path, tensors, "hidden_states", 3, f"[T, {n}, {H}]")
-        if tuple(states.shape[1:]) != (n, H):
-            raise HiddenStateError(f"{path}: 'hidden_states' is {list(states.shape)}; expected [T, {n}, {H}] "
-                                   f"(--aux-layer-ids gives {n} ids; the target's hidden size is {H})")
-        mask, last, ids_key = None, states[:, layout.last_slot], "token_ids"
+        ids, mask, states, last = _vllm_sequence(path, layout, with_states)
+        ids_key = "token_ids"
     else:
-        tensors = load_pickle(path, fmt.metadata_keys, max_file_bytes(layout))
-        last_key, aux_key = ("hidden_states", "aux_hidden_states") if fmt.name == "modelopt" else \
-            ("hidden_state", "aux_hidden_state")
-        ids = _tensor(path, tensors, "input_ids", 1, "[T]")
-        mask = _tensor(path, tensors, "loss_mask", 1, "[T]")
-        last = _tensor(path, tensors, last_key, 2, f"[T, {H}]")
-        flat = _tensor(path, tensors, aux_key, 2, f"[T, {n} * {H}]")
-        if last.shape[1] != H:
-            raise HiddenStateError(f"{path}: {last_key!r} is {list(last.shape)}; expected [T, {H}] (the target's "
-                                   "hidden size)")
-        if flat.shape[1] != n * H:
-            raise HiddenStateError(f"{path}: {aux_key!r} is {list(flat.shape)}; expected [T, {n * H}]: {n} aux "
-                                   f"states (--aux-layer-ids) of the target's hidden size {H}")
-        if flat.shape[0] != last.shape[0]:
-            raise HiddenStateError(f"{path}: {last_key!r} has {last.shape[0]} rows, {aux_key!r} {flat.shape[0]}; "
-                                   "expected one per token in both")
-        # a view of a contiguous file's states; a copy of no more than the file holds (load_pickle saw to it)
-        states, ids_key = flat.reshape(flat.shape[0], n, H), "input_ids"
+        ids, mask, states, last = _pickled_sequence(path, layout)
+        ids_key = "input_ids"
     T = states.shape[0]
     if not 1 <= T <= layout.max_tokens:
         raise HiddenStateError(f"{path}: holds {T} tokens; the target takes 1..{layout.max_tokens} "
@@ -450,6 +428,44 @@ def read_sequence(path: Path, layout: Layout, with_states: bool = True) -> Dumpe
     if mask is not None and not ((mask == 0) | (mask == 1)).all():
         raise HiddenStateError(f"{path}: 'loss_mask' holds values other than 0 and 1")
     return DumpedSequence(ids, mask, states, last)
+
+
+def _vllm_sequence(path: Path, layout: Layout,
+                   with_states: bool) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor]:
+    """(token_ids, no mask, hidden_states [T, n, H], last [T, H]) of a vLLM connector file, its shapes checked: the
+    last hidden state is one of the stored slots."""
+    H, n = layout.hidden_size, len(layout.file_ids)
+    tensors = load_vllm_file(path, with_states, max_file_bytes(layout))
+    ids = _tensor(path, tensors, "token_ids", 1, "[T]")
+    states = _tensor(path, tensors, "hidden_states", 3, f"[T, {n}, {H}]")
+    if tuple(states.shape[1:]) != (n, H):
+        raise HiddenStateError(f"{path}: 'hidden_states' is {list(states.shape)}; expected [T, {n}, {H}] "
+                               f"(--aux-layer-ids gives {n} ids; the target's hidden size is {H})")
+    return ids, None, states, states[:, layout.last_slot]
+
+
+def _pickled_sequence(path: Path, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask, aux states [T, n, H], last [T, H]) of a Model Optimizer or SpecForge file, its shapes
+    checked: the aux states are stored flat, [T, n * H]."""
+    fmt, H, n = layout.fmt, layout.hidden_size, len(layout.file_ids)
+    tensors = load_pickle(path, fmt.metadata_keys, max_file_bytes(layout))
+    last_key, aux_key = ("hidden_states", "aux_hidden_states") if fmt.name == "modelopt" else \
+        ("hidden_state", "aux_hidden_state")
+    ids = _tensor(path, tensors, "input_ids", 1, "[T]")
+    mask = _tensor(path, tensors, "loss_mask", 1, "[T]")
+    last = _tensor(path, tensors, last_key, 2, f"[T, {H}]")
+    flat = _tensor(path, tensors, aux_key, 2, f"[T, {n} * {H}]")
+    if last.shape[1] != H:
+        raise HiddenStateError(f"{path}: {last_key!r} is {list(last.shape)}; expected [T, {H}] (the target's "
+                               "hidden size)")
+    if flat.shape[1] != n * H:
+        raise HiddenStateError(f"{path}: {aux_key!r} is {list(flat.shape)}; expected [T, {n * H}]: {n} aux "
+                               f"states (--aux-layer-ids) of the target's hidden size {H}")
+    if flat.shape[0] != last.shape[0]:
+        raise HiddenStateError(f"{path}: {last_key!r} has {last.shape[0]} rows, {aux_key!r} {flat.shape[0]}; "
+                               "expected one per token in both")
+    # a view of a contiguous file's states; a copy of no more than the file holds (load_pickle saw to it)
+    return ids, mask, flat.reshape(flat.shape[0], n, H), last
 
 
 def check_norm_side(path: Path, last: torch.Tensor, norm_weight: torch.Tensor, post_norm: bool) -> None:
