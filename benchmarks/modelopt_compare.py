@@ -147,8 +147,8 @@ def eyas_tokens_per_s(log_path: Path, target: Path, data: Path, batch_size: int,
     from eyas's own data pipeline and batch order, which gives each step's end time."""
     from transformers import AutoTokenizer
 
+    from eyas.train.batches import batch_indices
     from eyas.train.data import load_dataset
-    from eyas.train.trainer import batch_indices
 
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     with contextlib.redirect_stderr(io.StringIO()):  # no tokenizing progress bar in the report
@@ -176,8 +176,8 @@ def tokens_for_steps(target: Path, data: Path, batch_size: int, max_length: int,
     """batch x padded length summed over the first `steps` batches (eyas's order, which modelopt_train.py uses)."""
     from transformers import AutoTokenizer
 
+    from eyas.train.batches import batch_indices
     from eyas.train.data import load_dataset
-    from eyas.train.trainer import batch_indices
 
     with contextlib.redirect_stderr(io.StringIO()):
         examples = load_dataset(data, AutoTokenizer.from_pretrained(target), max_length)

@@ -11,7 +11,8 @@ import time
 import pytest
 from tiny import copy_tokenizer, make_hf_checkpoint
 
-from eyas.train.trainer import TrainConfig, train
+from eyas.train.config import TrainConfig
+from eyas.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +148,8 @@ def test_target_logits_only_where_a_loss_reads_them(setup):
 
     from eyas import load_model
     from eyas.engine.llm import load_tokenizer
+    from eyas.train.batches import collate, target_features
     from eyas.train.data import load_dataset
-    from eyas.train.trainer import collate, target_features
 
     root, target_dir, data = setup
     target = load_model(target_dir, dtype="float32")
@@ -274,7 +275,8 @@ def test_fsdp_two_processes_equal_one_process(setup):
 STOP_AFTER = """
 import json, sys
 
-from eyas.train.trainer import TrainConfig, train
+from eyas.train.config import TrainConfig
+from eyas.train.trainer import train
 
 
 def stop(step, record):
@@ -357,12 +359,12 @@ def test_recipe_file_round_trip(setup, tmp_path):
     """The settings file a run writes reads back, through --config, as the same TrainConfig; the command line
     wins over the file; a key eyas does not know, or a value of the wrong kind, is an error naming it."""
     from eyas.cli import parse_args
-    from eyas.train.trainer import RECIPE_NAME, config_from_args
+    from eyas.train.cli import config_from_args
 
     cfg = config(setup, "recipe", max_steps=2, save_every=2, draft_vocab_size=512, freeze_lm_head=True,
                  eval_prompts=None, threads=1)
     train(cfg)
-    recipe = setup[0] / "recipe" / RECIPE_NAME
+    recipe = setup[0] / "recipe" / "train_config.yaml"
     assert config_from_args(parse_args(["train", "--config", str(recipe)])) == cfg
     overridden = config_from_args(parse_args(["train", "--config", str(recipe), "--lr", "0.5"]))
     assert overridden.lr == 0.5 and overridden.max_steps == cfg.max_steps
@@ -464,21 +466,22 @@ def test_a_crafted_training_state_is_refused_in_one_line_without_torchs_advice(t
 
     import torch
 
-    from eyas.train.trainer import load_training_state
+    from eyas.train.checkpointing import RunDir, load_training_state
 
-    ckpt = tmp_path / "checkpoint"
+    run_dir = RunDir(tmp_path)
+    ckpt = run_dir.checkpoint
     ckpt.mkdir()
     good = {"step": 2, "config": {"lr": 1e-3}, "draft": {"w": torch.ones(2)}, "optimizer": {"state": {}}}
     torch.save(good, ckpt / "state.prev.pt")
     for crafted in ({"step": 3, "config": argparse.Namespace(lr=1.0)}, [1, 2, 3], {"step": "3"}):
         torch.save(crafted, ckpt / "state.pt")
-        state = load_training_state(ckpt, torch.device("cpu"))
+        state = load_training_state(run_dir, torch.device("cpu"))
         assert state["step"] == 2 and torch.equal(state["draft"]["w"], good["draft"]["w"])
         err = capsys.readouterr().err
         assert str(ckpt / "state.pt") in err and "weights_only" not in err and len(err.strip().splitlines()) == 1
     torch.save([1], ckpt / "state.prev.pt")
     with pytest.raises(ValueError, match="no readable training state"):
-        load_training_state(ckpt, torch.device("cpu"))
+        load_training_state(run_dir, torch.device("cpu"))
 
 
 def test_a_run_that_teaches_nothing_says_so_and_fails(setup, tmp_path, capsys):
@@ -509,3 +512,55 @@ def test_a_run_that_teaches_nothing_says_so_and_fails(setup, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 1 and "no position was taught" in captured.err and "--draft-vocab-size 0" in captured.err
     assert "last step:" not in captured.out
+
+
+def tensorboard_scalars(event_dir):
+    """{tag: {step: value}} as TensorBoard's own reader gives them (events an earlier run wrote past a resume's
+    purge step are dropped by the reader, as in the TensorBoard UI)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_writes_the_logged_scalars_across_a_resume(setup, tmp_path):
+    """`eyas train --report-to tensorboard`: event files under OUT/tensorboard hold the loss, the per-position
+    accuracies and the engine's AL at exactly the steps and values of train_log.jsonl, after a run killed at step 3
+    (its steps 4-5 logged but not checkpointed) resumed to 6: the rerun steps show once, with the rerun's values."""
+    from eyas.cli import main as cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "code", "prompt": "def add_3(a, b):\n"}) + "\n")
+    args = cli_args(setup, "tensorboard", steps=6) + ["--report-to", "tensorboard", "--eval-every", "3",
+                                                     "--eval-prompts", str(prompts), "--eval-num-prompts", "1",
+                                                     "--eval-max-new-tokens", "6"]
+    out = setup[0] / "tensorboard"
+    assert cli(args[:args.index("--max-steps") + 1] + ["5"] + args[args.index("--max-steps") + 2:]) == 0
+    (out / "checkpoint" / "state.pt").unlink()  # as if killed after step 5, with the checkpoint of step 3
+    assert (out / "checkpoint" / "state.prev.pt").exists()
+    assert cli(args + ["--resume"]) == 0
+    log = read_log(out / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 7))
+    got = tensorboard_scalars(out / "tensorboard")
+    assert got["train/loss"] == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in log}
+    for k in range(3):
+        assert got[f"train/acc_per_step/{k}"] == {r["step"]: pytest.approx(r["acc_per_step"][k], abs=1e-6)
+                                                  for r in log}
+    assert got["train/eval_acceptance_length"] == {
+        r["step"]: pytest.approx(r["eval_acceptance_length"], rel=1e-6) for r in log if "eval_acceptance_length" in r}
+    assert sorted(got["train/eval_acceptance_length"]) == [3, 6]
+
+
+def test_report_to_a_logger_that_is_not_installed_fails_before_loading_anything(setup, tmp_path, capsys,
+                                                                               monkeypatch):
+    import importlib.util
+
+    from eyas.cli import main as cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    code = cli(cli_args(setup, "no-wandb") + ["--report-to", "tensorboard", "wandb"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--report-to wandb needs the wandb package" in err and "pip install wandb" in err
+    assert not (setup[0] / "no-wandb" / "checkpoint").exists()

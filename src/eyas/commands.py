@@ -75,10 +75,10 @@ def build_parser(extra: Sequence[Callable[[argparse._SubParsersAction], None]] =
     from eyas.generate import add_cli as add_generate
     from eyas.inspect import add_cli as add_inspect
     from eyas.serve.cli import add_cli as add_serve
+    from eyas.train.cli import add_cli as add_train
     from eyas.train.dump import add_cli as add_dump_hidden_states
     from eyas.train.import_dumps import add_cli as add_import_hidden_states
     from eyas.train.regenerate import add_cli as add_regenerate
-    from eyas.train.trainer import add_cli as add_train
     from eyas.train.vocab import add_cli as add_calibrate_vocab
 
     parser = argparse.ArgumentParser(

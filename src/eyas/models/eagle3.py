@@ -28,7 +28,7 @@ from torch import nn
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
 from eyas.models.attention import AttentionMetadata, paged_attention
-from eyas.models.deepseek_v3 import MLAttention
+from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
 log = logging.getLogger("eyas")
@@ -144,27 +144,7 @@ class Eagle3Config:
                 aux_convention: str | None = None, source: str = "config.json") -> Eagle3Config:
         """Read a draft's config.json dict against its target. `num_aux_hidden_states` comes from fc.weight's
         width when the weights are at hand; `aux_convention` overrides the convention the ids are read in."""
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            _fail(source, "hidden_act", act, '"silu"')
-        if raw.get("mlp_bias"):
-            _fail(source, "mlp_bias", raw["mlp_bias"], "false (EAGLE-3 drafts have no MLP biases)")
-        required = ["hidden_size", "intermediate_size", "num_attention_heads"]
-        if arch == "mla":
-            required += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-        for name in required:
-            if raw.get(name) is None:
-                raise ConfigError(f"{source}: required field {name!r} is missing")
-        hidden = raw["hidden_size"]
-        # the draft adds the target's own embeddings to its input, so its width is the target's
-        if hidden != target.hidden_size:
-            _fail(source, "hidden_size", hidden, f"the target's hidden_size {target.hidden_size}")
-        target_hidden = raw.get("target_hidden_size") or hidden
-        if target_hidden != target.hidden_size:
-            _fail(source, "target_hidden_size", target_hidden, f"the target's hidden_size {target.hidden_size}")
-        vocab = raw.get("vocab_size") or target.vocab_size
-        if vocab != target.vocab_size:
-            _fail(source, "vocab_size", vocab, f"the target's vocab_size {target.vocab_size}")
+        hidden, target_hidden, vocab = _widths_against_target(raw, target, arch, source)
         draft_vocab = raw.get("draft_vocab_size") or vocab
         ids, assumed = resolve_aux_ids(raw, target.num_hidden_layers, aux_convention, source)
         if num_aux_hidden_states is None:
@@ -192,19 +172,50 @@ class Eagle3Config:
                       source=source)
         if arch == "mla":
             rope = RopeConfig.from_hf(raw, raw["qk_rope_head_dim"], max_pos, source)
-            mla = DeepseekV3Config(
-                vocab_size=vocab, hidden_size=hidden, intermediate_size=raw["intermediate_size"], num_hidden_layers=1,
-                num_attention_heads=heads, kv_lora_rank=raw["kv_lora_rank"],
-                qk_nope_head_dim=raw["qk_nope_head_dim"], qk_rope_head_dim=raw["qk_rope_head_dim"],
-                v_head_dim=raw["v_head_dim"], rope=rope, max_position_embeddings=max_pos,
-                q_lora_rank=raw.get("q_lora_rank"), n_routed_experts=None, rms_norm_eps=eps,
-                attention_bias=bool(raw.get("attention_bias", False)), source=source)
-            return cls(arch="mla", rope=rope, mla=mla, **common)
+            return cls(arch="mla", rope=rope, mla=_mla_layer_config(raw, vocab, max_pos, eps, rope, source), **common)
         head_dim = raw.get("head_dim") or hidden // heads
         rope = RopeConfig.from_hf(raw, head_dim, max_pos, source)
         rope.interleave = False  # Llama pairs dim i with i + head_dim/2 (rotate-half), whatever rope_interleave says
         return cls(arch="mha", rope=rope, num_key_value_heads=raw.get("num_key_value_heads") or heads,
                    head_dim=head_dim, **common)
+
+
+def _widths_against_target(raw: dict, target: DeepseekV3Config, arch: str, source: str) -> tuple[int, int, int]:
+    """A draft config's hidden_size, target_hidden_size and vocab_size, checked present and equal to the target's
+    (the draft adds the target's own embeddings to its input, so its width is the target's)."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        _fail(source, "hidden_act", act, '"silu"')
+    if raw.get("mlp_bias"):
+        _fail(source, "mlp_bias", raw["mlp_bias"], "false (EAGLE-3 drafts have no MLP biases)")
+    required = ["hidden_size", "intermediate_size", "num_attention_heads"]
+    if arch == "mla":
+        required += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    for name in required:
+        if raw.get(name) is None:
+            raise ConfigError(f"{source}: required field {name!r} is missing")
+    hidden = raw["hidden_size"]
+    if hidden != target.hidden_size:
+        _fail(source, "hidden_size", hidden, f"the target's hidden_size {target.hidden_size}")
+    target_hidden = raw.get("target_hidden_size") or hidden
+    if target_hidden != target.hidden_size:
+        _fail(source, "target_hidden_size", target_hidden, f"the target's hidden_size {target.hidden_size}")
+    vocab = raw.get("vocab_size") or target.vocab_size
+    if vocab != target.vocab_size:
+        _fail(source, "vocab_size", vocab, f"the target's vocab_size {target.vocab_size}")
+    return hidden, target_hidden, vocab
+
+
+def _mla_layer_config(raw: dict, vocab: int, max_pos: int, eps: float, rope: RopeConfig,
+                      source: str) -> DeepseekV3Config:
+    """The MLA draft's one decoder layer, as the target's layer config type (a dense MLP: no routed experts)."""
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=1, num_attention_heads=raw["num_attention_heads"], kv_lora_rank=raw["kv_lora_rank"],
+        qk_nope_head_dim=raw["qk_nope_head_dim"], qk_rope_head_dim=raw["qk_rope_head_dim"],
+        v_head_dim=raw["v_head_dim"], rope=rope, max_position_embeddings=max_pos, q_lora_rank=raw.get("q_lora_rank"),
+        n_routed_experts=None, rms_norm_eps=eps, attention_bias=bool(raw.get("attention_bias", False)),
+        source=source)
 
 
 def resolve_aux_ids(raw: dict, num_layers: int, override: str | None, source: str) -> tuple[tuple[int, ...], str]:
@@ -434,6 +445,66 @@ class Eagle3Draft(nn.Module):
 
 
 # ---- which draft a config.json describes -----------------------------------------------------------------------------
+
+# -- a new draft, shaped after its target (what `eyas train` starts from) ------------------------------------
+
+def new_draft_config(target: DeepseekV3Config, arch: str, aux_ids: tuple[int, ...], draft_vocab_size: int,
+                     intermediate_size: int = 0, switches: dict[str, bool] | None = None) -> Eagle3Config:
+    """A one-layer draft shaped after the target: its attention dims (MLA) or its head count (MHA), its rope;
+    `switches` sets the EAGLE-3.1 ones (fc_norm, norm_before_fc, norm_output, norm_before_residual)."""
+    H = target.hidden_size
+    common = dict(**(switches or {}), hidden_size=H, target_hidden_size=H, vocab_size=target.vocab_size,
+                  draft_vocab_size=draft_vocab_size or target.vocab_size, num_aux_hidden_states=len(aux_ids),
+                  aux_hidden_state_ids=tuple(aux_ids), aux_convention_assumed="hidden_states (eyas train)",
+                  intermediate_size=intermediate_size or target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+                  max_position_embeddings=target.max_position_embeddings,
+                  num_attention_heads=target.num_attention_heads, source="eyas train")
+    if arch == "mla":
+        mla = DeepseekV3Config(
+            vocab_size=target.vocab_size, hidden_size=H, intermediate_size=common["intermediate_size"],
+            num_hidden_layers=1, num_attention_heads=target.num_attention_heads, kv_lora_rank=target.kv_lora_rank,
+            qk_nope_head_dim=target.qk_nope_head_dim, qk_rope_head_dim=target.qk_rope_head_dim,
+            v_head_dim=target.v_head_dim, rope=target.rope, max_position_embeddings=target.max_position_embeddings,
+            q_lora_rank=target.q_lora_rank, rms_norm_eps=target.rms_norm_eps, source="eyas train")
+        return Eagle3Config(arch="mla", rope=target.rope, mla=mla, **common)
+    head_dim = H // target.num_attention_heads
+    r = target.rope
+    rope = RopeConfig(head_dim=head_dim, theta=r.theta, type=r.type, factor=r.factor,
+                      original_max_position_embeddings=r.original_max_position_embeddings, beta_fast=r.beta_fast,
+                      beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim, interleave=False)
+    return Eagle3Config(arch="mha", rope=rope, num_key_value_heads=target.num_attention_heads, head_dim=head_dim,
+                        **common)
+
+
+def init_draft(target: DeepseekV3ForCausalLM, config: Eagle3Config, d2t: torch.Tensor | None = None,
+               seed: int = 0) -> Eagle3Draft:
+    """Random projections (std 0.02), unit norms, the target's embedding (shared, frozen) and its lm_head rows for
+    the draft vocabulary (copied, trained). The final norm starts as the target's: the head it feeds was trained on
+    inputs with that gain (on 600-step runs against the shipped target this raised AL in 3 of 4 runs, tied 1)."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config, target.model.embed_tokens)
+    for name, p in draft.named_parameters():
+        if name.startswith("embed_tokens"):
+            continue
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        else:
+            torch.nn.init.ones_(p)
+    rows = torch.arange(config.vocab_size)
+    if config.compressed_vocab:
+        if d2t is None or d2t.shape[0] != config.draft_vocab_size:
+            raise ValueError(f"a draft vocabulary of {config.draft_vocab_size} needs a d2t map of that length")
+        draft.d2t.copy_(d2t)
+        rows = target_ids_of(d2t)
+        draft.t2d.zero_()
+        draft.t2d[rows] = True
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(target.lm_head.weight[rows])
+        draft.norm.weight.copy_(target.model.norm.weight)
+    # initialised on the CPU (the same numbers whatever the device), then moved next to the target; the draft's own
+    # weights stay float32 whatever the target's dtype (the shared embedding keeps the target's)
+    return draft.to(device=target.lm_head.weight.device)
+
 
 def detect_architecture(raw: dict, has_fc: bool, source: str) -> tuple[str, str]:
     """("mha" | "mla", the architecture as named in the report), or a ConfigError listing what is supported."""

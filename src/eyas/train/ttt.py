@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from eyas.models.eagle3 import Eagle3Draft, target_ids_of
 
@@ -241,3 +242,17 @@ def ttt_loss(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tenso
         correct.append(((top_logit >= draft_logits.amax(-1)).float() * weight).sum())
         total = total + decay ** k * loss_sum / count.clamp(min=1)
     return TTTOutput(loss=total, loss_sums=loss_sums, counts=counts, correct=correct)
+
+
+class TTTLoss(nn.Module):
+    """`ttt_loss` as one module call. ttt_loss reaches into the draft's submodules and never calls draft.forward, so
+    FSDP needs a module whose forward spans the whole loss: its hooks gather the shards before the forward and
+    reduce-scatter the gradients after the backward."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                target_logits: torch.Tensor, ttt_steps: int, decay: float, loss: LossKind | None = None) -> TTTOutput:
+        return ttt_loss(self.draft, input_ids, loss_mask, aux_hidden_states, target_logits, ttt_steps, decay, loss)

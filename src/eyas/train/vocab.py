@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -151,6 +152,33 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------------
+
+def training_vocab(vocab_file: str | None, draft_vocab_size: int | None, examples, vocab_size: int,
+                   report: bool = True) -> tuple[torch.Tensor | None, int]:
+    """(d2t or None, the draft's vocabulary size) for a training run: from `vocab_file`, the whole vocabulary
+    (`draft_vocab_size` 0), or the most frequent loss tokens of `examples` (how many: `draft_vocab_size`, or chosen
+    by auto_draft_vocab_size when None). `examples`: {"input_ids", "loss_mask"} dicts or a dump's shards."""
+    if vocab_file:
+        d2t, _ = load_vocab(vocab_file)
+        return d2t, d2t.shape[0]
+    if draft_vocab_size == 0:
+        return None, 0
+    if isinstance(examples, list):
+        examples = [Example(input_ids=e["input_ids"], loss_mask=e["loss_mask"]) for e in examples]
+    else:
+        examples = examples.token_examples()  # a dump: its token ids and masks only, not the hidden states
+    counts = count_loss_tokens(examples, vocab_size)
+    chosen = draft_vocab_size if draft_vocab_size is not None else auto_draft_vocab_size(counts)
+    d2t = t2d = None
+    if chosen != vocab_size:
+        d2t, t2d = select_draft_vocab(counts, chosen)
+    if report:
+        covered = coverage_stats(counts, t2d)["coverage"] if d2t is not None else 1.0
+        how = "auto, " if draft_vocab_size is None else ""
+        print(f"draft vocabulary: {chosen} of {vocab_size} ids ({how}{covered:.1%} of the loss tokens)",
+              file=sys.stderr)
+    return d2t, chosen
+
 
 def cmd_calibrate_vocab(args: argparse.Namespace) -> int:
     from eyas.config import DeepseekV3Config
