@@ -8,23 +8,18 @@ residual) is caught this way, which shows the test can fail.
 
 import pytest
 import torch
-from tiny import make_hf_checkpoint
+from tiny import (
+    P_VALUE,
+    add_mtp_weights,
+    assert_the_first_tokens_follow_the_target,
+    chi_square_p_value,
+    make_hf_checkpoint,
+    rig_bigram_target_and_copying_mtp,
+)
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
 from eyas.engine.acceptance import AcceptanceRule, VerifyRows
-from eyas.engine.sampling import process_logits
-
-P_VALUE = 1e-3
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token with zero target probability was produced"
-    expected = probs[keep] * counts.sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2))
 
 
 def first_two_tokens(rule: AcceptanceRule, logprobs: torch.Tensor, drafts: list[int], n: int, seed: int = 0):
@@ -116,42 +111,8 @@ def test_synthetic_acceptance_rate():
 
 # -- through the engine ----------------------------------------------------------------------------------------
 
-def exact_marginals(model, prompt: list[int], params: SamplingParams, vocab: int) -> list[torch.Tensor]:
-    """Exact distributions of generated tokens 1, 2 and 3 under the processed target distribution."""
-    def next_dist(prefixes: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(prefixes)[:, -1]
-        return process_logits(logits, [params] * len(prefixes)).exp()
-
-    p1 = next_dist(torch.tensor([prompt]))[0]  # [V]
-    two = torch.tensor([prompt + [a] for a in range(vocab)])
-    p2_given = next_dist(two)  # [V(t1), V(t2)]
-    three = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-    p3_given = next_dist(three).view(vocab, vocab, vocab)
-    joint12 = p1[:, None] * p2_given
-    return [p1, joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))]
-
-
-def assert_the_first_tokens_follow_the_target(llm: LLM, prompt: list[int], vocab: int) -> list:
-    """8,000 sampled requests of 4 tokens (the first from the prefill, then one verify of 2 drafts yields tokens 2
-    and 3, and a bonus 4th): tokens 1-3 against their exact marginals (chi-square, p > P_VALUE), both drafts of
-    every request verified. Returns the outputs."""
-    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_tokens=4, ignore_eos=True)
-    outs = llm.generate([prompt] * 8000, params)
-    exact = exact_marginals(llm.model, prompt, params, vocab)
-    tokens = torch.tensor([o.token_ids for o in outs])
-    for position in range(3):
-        counts = torch.bincount(tokens[:, position], minlength=vocab).float()
-        assert chi_square_p_value(counts, exact[position]) > P_VALUE, position
-    assert sum(o.num_drafted for o in outs) >= 2 * 8000
-    return outs
-
-
 @pytest.mark.parametrize("checkpoint", ["random", "copying"])
 def test_residual_sampling_through_the_engine_keeps_the_distribution(tmp_path, checkpoint):
-    from test_checkpoint import add_mtp_weights
-    from test_speculative import rig_bigram_target_and_copying_mtp
-
     vocab = 16
     make_hf_checkpoint(tmp_path, vocab_size=vocab)
     add_mtp_weights(tmp_path)

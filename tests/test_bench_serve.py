@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from test_serve import KEY, checkpoint, running  # noqa: F401  (checkpoint: the random target + MTP layer fixture)
+from tiny import KEY, running
 
 from eyas import LLM
 from eyas.bench import SPEC_COUNTERS, acceptance, add_cli, bench_serve, comparison, summarize
@@ -35,7 +35,7 @@ def check_run(run: dict) -> None:
         assert 0 <= s["p50"] <= s["p90"] <= s["p99"], (key, s)
 
 
-def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
+def test_bench_plain_vs_mtp(checkpoint, tmp_path):
     out = tmp_path / "bench.json"
     args = parse("--model", str(checkpoint), "--num-prompts", "6", "--input-len", "16", "--output-len", "12",
                  "--range-ratio", "0.5", "--concurrency", "1", "3", "--speculative-method", "mtp",
@@ -69,7 +69,7 @@ def test_bench_plain_vs_mtp(checkpoint, tmp_path):  # noqa: F811
     assert report["config"]["speculative_method"] == "mtp" and report["config"]["request_rate"] == "inf"
 
 
-def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkpoint, tmp_path):  # noqa: F811
+def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkpoint, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" +
                     json.dumps({"messages": [{"role": "user", "content": "Write a loop."}]}) + "\n")

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import YARN, hf_config, make_hf_checkpoint
+from tiny import YARN, add_mtp_weights, hf_config, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.checkpoint import CheckpointError
@@ -72,23 +72,6 @@ def test_config_errors_name_the_field(checkpoint, tmp_path):
         (tmp_path / "a" / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=expected):
             load_model(tmp_path / "a")
-
-
-def add_mtp_weights(path, seed=0):
-    """Append a random MTP layer (model.layers.L.*) to a transformers-saved checkpoint, as DeepSeek stores it."""
-    from eyas.config import DeepseekV3Config
-    from eyas.models.deepseek_v3 import MTPLayer
-
-    config = DeepseekV3Config.from_json(path)
-    L = config.num_hidden_layers
-    torch.manual_seed(seed)
-    layer = MTPLayer(config, L)
-    tensors = load_file(path / "model.safetensors")
-    for key, t in layer.state_dict().items():
-        t = torch.randn_like(t) * 0.15 if t.dim() > 1 else 1 + 0.1 * torch.randn_like(t)
-        tensors[f"model.layers.{L}.{key}"] = t
-    save_file(tensors, path / "model.safetensors")
-    return tensors
 
 
 def test_mtp_layer_matches_a_transformers_decoder_layer(tmp_path):

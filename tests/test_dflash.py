@@ -5,31 +5,20 @@ alone, and config.json read back and refused where eyas would compute something 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import hf_config
+from tiny import H, V, dflash_raw, hf_config
 
 from eyas.config import ConfigError, DeepseekV3Config
 from eyas.models.dflash import DFlashConfig, DFlashDraft, block_attention_mask, default_target_layer_ids
-
-H, VOCAB, LAYERS = 32, 96, 4
 
 
 def target_config() -> DeepseekV3Config:
     return DeepseekV3Config.from_dict(hf_config().to_dict(), "tiny target")
 
 
-def dflash_raw(**overrides) -> dict:
-    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 48,
-           "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 256, "rope_theta": 10000.0,
-           "block_size": 4, "num_target_layers": LAYERS,
-           "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": VOCAB - 1}}
-    return raw | overrides
-
-
 def make_draft(seed: int = 0) -> DFlashDraft:
     torch.manual_seed(seed)
     config = DFlashConfig.from_hf(dflash_raw(), target_config(), "test")
-    embed, head = torch.nn.Embedding(VOCAB, H), torch.nn.Linear(H, VOCAB, bias=False)
+    embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
     draft = DFlashDraft(config, embed, head)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -87,13 +76,13 @@ def test_the_forward_matches_the_reference():
     target_hidden = torch.randn(C, 2 * H)
     anchor = torch.tensor([7])
     block = draft.block_input_ids(anchor)[0]
-    assert block.tolist() == [7, VOCAB - 1, VOCAB - 1, VOCAB - 1]
+    assert block.tolist() == [7, V - 1, V - 1, V - 1]
     with torch.no_grad():
         kv = draft.context_kv(target_hidden[None], torch.arange(C)[None])
         out = draft(block[None], torch.arange(C, C + 4)[None], kv)[0]
         expected = reference(draft, target_hidden, block, C)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert draft.compute_logits(out).shape == (4, VOCAB)
+    assert draft.compute_logits(out).shape == (4, V)
 
 
 def test_context_kv_computed_in_pieces_equals_it_computed_at_once():
@@ -116,7 +105,7 @@ def test_many_blocks_under_one_mask_equal_each_block_alone():
     draft = make_draft()
     torch.manual_seed(3)
     T, bs = 12, draft.config.block_size
-    hidden, tokens = torch.randn(1, T, 2 * H), torch.randint(0, VOCAB - 1, (1, T))
+    hidden, tokens = torch.randn(1, T, 2 * H), torch.randint(0, V - 1, (1, T))
     anchors = torch.tensor([[2, 5, 9, -1]])  # the last slot holds no block
     valid = anchors[0] >= 0
     block_ids = draft.block_input_ids(tokens[0, anchors[0].clamp(min=0)]).reshape(1, -1)
@@ -149,7 +138,7 @@ def test_config_round_trips_and_refuses_what_eyas_does_not_run():
                                                 "attention_mode": "mla"}}, r"sets \['attention_mode'\]"),
                             ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 5}},
                              "target_layer_ids.*0..3"),
-                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": VOCAB}}, "mask_token_id"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": V}}, "mask_token_id"),
                             ({"hidden_size": 64}, "hidden_size"), ({"num_target_layers": 61}, "num_target_layers"),
                             ({"architectures": ["LlamaForCausalLMEagle3"]}, "architectures"),
                             ({"block_size": 1}, "block_size"), ({"num_key_value_heads": 3}, "num_key_value_heads")]:

@@ -8,8 +8,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_dflash import dflash_raw
-from tiny import YARN, make_hf_checkpoint, make_served_checkpoint, read_config
+from tiny import (
+    YARN,
+    assert_the_first_tokens_follow_the_target,
+    dflash_raw,
+    make_hf_checkpoint,
+    make_served_checkpoint,
+    mla_config,
+    mla_weights,
+    read_config,
+    write_draft,
+)
 
 from eyas import LLM, SamplingParams
 from eyas.config import DeepseekV3Config, SpeculativeConfig
@@ -313,15 +322,14 @@ def test_greedy_constrained_dflash_equals_plain(served_pair):
     grammar allows after its earlier drafts; the output equals constrained plain greedy's and validates."""
     pytest.importorskip("xgrammar")
     import jsonschema
-    from test_structured import PROMPTS as TEXTS
-    from test_structured import REGEX, SCHEMAS, spec
+    from tiny import REGEX, SCHEMAS, STRUCTURED_PROMPTS, spec
 
     from eyas.sampling_params import StructuredOutputParams
 
     target, draft = served_pair
     params = [SamplingParams(temperature=0, max_tokens=48, structured_output=spec(n)) for n in SCHEMAS]
     params.append(SamplingParams(temperature=0, max_tokens=48, structured_output=StructuredOutputParams(regex=REGEX)))
-    prompts = TEXTS[:len(params)]
+    prompts = STRUCTURED_PROMPTS[:len(params)]
     kw = dict(max_num_seqs=4, block_size=4, max_num_batched_tokens=11)
     plain = LLM(target, **kw).generate(prompts, params)
     llm = LLM(target, speculative_method="dflash", draft_model=draft, **kw)
@@ -336,8 +344,6 @@ def test_greedy_constrained_dflash_equals_plain(served_pair):
 def test_residual_sampling_keeps_the_target_distribution(tmp_path, pair):
     """Tokens 1-3 of 8,000 sampled requests, two drafts verified per step, against the exact marginals of the
     processed target distribution (chi-square, p > 1e-3, as tests/test_acceptance.py)."""
-    from test_acceptance import assert_the_first_tokens_follow_the_target
-
     vocab = 16
     make_hf_checkpoint(tmp_path / "target", vocab_size=vocab)
     if pair == "copying":
@@ -405,6 +411,4 @@ def test_settings(random_pair, tmp_path):
 
 
 def _eagle_draft(tmp_path):
-    from test_eagle3 import mla_config, mla_weights, write_draft
-
     return write_draft(tmp_path / "mla", mla_config(), mla_weights())

@@ -1,150 +1,30 @@
 """EAGLE-3 drafts: every engine's layout loads to the same draft, the forward is EAGLE-3's, paged equals batched,
 d2t scatters to the right target ids, and bad files fail naming what is wrong."""
 
-import json
 import logging
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tiny import BASE, make_hf_checkpoint
+from tiny import (
+    BASE,
+    DV,
+    MODELOPT_EAGLE_CONFIG,
+    H,
+    V,
+    assert_same_draft,
+    mha_config,
+    mha_weights,
+    mla_config,
+    mla_weights,
+    rms,
+    write_draft,
+)
 
-from eyas import LLM, SamplingParams, load_model
+from eyas import LLM, SamplingParams
 from eyas.checkpoint import CheckpointError, canonical_key, load_draft
 from eyas.config import ConfigError, DeepseekV3Config
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
-
-H, V, DV, L = 32, 96, 48, 4  # the tiny target: hidden, vocab, 4 layers; the draft vocab is half the target's
-MODELOPT_EAGLE_CONFIG = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
-                         "use_last_layernorm": True, "use_mtp_layernorm": False, "next_layer_regular": True,
-                         "parallel_draft_step": 1, "parallel_draft_heads_num_layers": 1}
-YARN_SCALING = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-@pytest.fixture(scope="module")
-def target_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    make_hf_checkpoint(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def target(target_path):
-    return load_model(target_path)
-
-
-def _random(seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def mat(*shape):
-        return torch.randn(*shape, generator=g) * 0.15
-
-    def norm(n):
-        return 1 + 0.1 * torch.randn(n, generator=g)
-
-    return mat, norm, g
-
-
-def vocab_map(g):
-    ids = torch.randperm(V, generator=g)[:DV].sort().values
-    return {"d2t": ids - torch.arange(DV)}
-
-
-def mha_weights(seed=0, n_aux=3, compressed=True):
-    """Canonical (layers.0.) keys and shapes from DESIGN.md §4: 4 heads, 2 kv heads, head_dim 8."""
-    mat, norm, g = _random(seed)
-    w = {"fc.weight": mat(H, n_aux * H), "layers.0.input_layernorm.weight": norm(H),
-         "layers.0.hidden_norm.weight": norm(H), "layers.0.self_attn.q_proj.weight": mat(32, 2 * H),
-         "layers.0.self_attn.k_proj.weight": mat(16, 2 * H), "layers.0.self_attn.v_proj.weight": mat(16, 2 * H),
-         "layers.0.self_attn.o_proj.weight": mat(H, 32), "layers.0.post_attention_layernorm.weight": norm(H),
-         "layers.0.mlp.gate_proj.weight": mat(64, H), "layers.0.mlp.up_proj.weight": mat(64, H),
-         "layers.0.mlp.down_proj.weight": mat(H, 64), "norm.weight": norm(H),
-         "lm_head.weight": mat(DV if compressed else V, H)}
-    return w | vocab_map(g) if compressed else w
-
-
-def mla_weights(seed=1):
-    """q_lora 16, kv_lora 24, nope 8, rope 8, v 12, 4 heads; every down-projection reads 2H."""
-    mat, norm, g = _random(seed)
-    a = "layers.0.self_attn."
-    w = {"fc.weight": mat(H, 3 * H), "layers.0.input_layernorm.weight": norm(H),
-         "layers.0.hidden_norm.weight": norm(H), a + "q_a_proj.weight": mat(16, 2 * H),
-         a + "q_a_layernorm.weight": norm(16), a + "q_b_proj.weight": mat(4 * 16, 16),
-         a + "kv_a_proj_with_mqa.weight": mat(24 + 8, 2 * H), a + "kv_a_layernorm.weight": norm(24),
-         a + "kv_b_proj.weight": mat(4 * (8 + 12), 24), a + "o_proj.weight": mat(H, 4 * 12),
-         "layers.0.post_attention_layernorm.weight": norm(H), "layers.0.mlp.gate_proj.weight": mat(64, H),
-         "layers.0.mlp.up_proj.weight": mat(64, H), "layers.0.mlp.down_proj.weight": mat(H, 64),
-         "norm.weight": norm(H), "lm_head.weight": mat(DV, H)}
-    d2t = vocab_map(g)["d2t"]
-    return w | {"d2t": d2t, "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, torch.arange(DV) + d2t, True)}
-
-
-def mha_config(arch="LlamaForCausalLMEagle3", ids=(1, 2, 3), where="eagle_config", **extra):
-    cfg = {"architectures": [arch], "model_type": "llama", "hidden_size": H, "intermediate_size": 64,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1,
-           "rms_norm_eps": 1e-6, "hidden_act": "silu", "vocab_size": V, "draft_vocab_size": DV,
-           "max_position_embeddings": 256, "rope_theta": 10000.0, "torch_dtype": "float32"}
-    if ids is not None:
-        if where == "eagle_config":
-            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids)}
-        else:
-            cfg["eagle_aux_hidden_state_layer_ids"] = list(ids)
-    for key, value in extra.items():
-        if key == "eagle_config":
-            cfg.setdefault("eagle_config", {}).update(value)
-        else:
-            cfg[key] = value
-    return cfg
-
-
-def mla_config(arch="Eagle3DeepseekV2ForCausalLM", model_type="deepseek_v2", ids=(1, 2, 3), **eagle):
-    cfg = {"architectures": [arch] if arch else None, "model_type": model_type, "hidden_size": H,
-           "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
-           "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
-           "num_hidden_layers": 1, "n_routed_experts": None, "rms_norm_eps": 1e-6, "vocab_size": V,
-           "draft_vocab_size": DV, "max_position_embeddings": 256, "rope_theta": 10000.0, "rope_interleave": True,
-           "rope_scaling": YARN_SCALING, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), **eagle}}
-    return cfg
-
-
-def write_draft(path, config, weights, layout="layers.0."):
-    """Write config.json + model.safetensors with the layer under `layout` (midlayer., layers.0., model.)."""
-    def rename(key):
-        if layout == "midlayer.":
-            return key.replace("layers.0.", "midlayer.", 1)
-        if layout == "model.":  # vLLM-style: model.layers.0., model.fc, model.norm
-            return "model." + key if key.startswith(("layers.", "fc.", "norm.")) else key
-        return key
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({rename(k): v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def draft_steps(draft, T=7, seed=5):
-    """Step 0 from fused aux states, then one step on the draft's own pre-norm output; logits of both."""
-    g = torch.Generator().manual_seed(seed)
-    aux = [torch.randn(2, T, H, generator=g) for _ in range(draft.config.num_aux_hidden_states)]
-    tokens = torch.randint(0, V, (2, T), generator=g)
-    with torch.no_grad():
-        pre0 = draft(draft.combine_hidden_states(None, aux), tokens)
-        pre1 = draft(pre0, tokens.roll(1, -1))
-        return draft.compute_logits(pre0), draft.compute_logits(pre1)
-
-
-def assert_same_draft(drafts):
-    first = drafts[0]
-    for other in drafts[1:]:
-        a, b = first.state_dict(), other.state_dict()
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
-        assert other.aux_hidden_state_ids == first.aux_hidden_state_ids
-        for x, y in zip(draft_steps(first), draft_steps(other)):
-            assert torch.equal(x, y)
 
 
 def test_canonical_keys():
@@ -194,10 +74,6 @@ def test_mla_layouts_of_max_vllm_and_modelopt_load_to_one_draft(target, tmp_path
     assert "Model Optimizer MLA export" in modelopt.load_report["architecture"]
     assert max_.cache_entry_shape() == (24 + 8,)
     assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" in max_.state_dict()
-
-
-def rms(x, w, eps=1e-6):
-    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def reference_mha_draft(w, aux, tokens, embed):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_eagle3 import DV, H, V, mha_config, mha_weights, mla_config, mla_weights, rms, target, target_path  # noqa: F401
+from tiny import DV, H, V, mha_config, mha_weights, mla_config, mla_weights, rms
 
 from eyas import LLM, SamplingParams
 from eyas.checkpoint import CheckpointError, load_draft
@@ -16,8 +16,7 @@ from eyas.config import ConfigError
 from eyas.export import ExportError, export_draft
 from eyas.inspect import inspect_report
 from eyas.models.attention import AttentionMetadata
-from eyas.models.eagle3 import EAGLE31_SWITCHES
-from eyas.train.trainer import init_draft, new_draft_config
+from eyas.models.eagle3 import EAGLE31_SWITCHES, init_draft, new_draft_config
 from eyas.train.ttt import draft_step
 
 CASES = [{}, {"fc_norm": True}, {"norm_before_fc": True}, {"norm_output": True}, {"norm_before_residual": True},
@@ -111,7 +110,7 @@ def reference_layer(w, hidden, tokens, embed, switches, attention):
 
 @pytest.mark.parametrize("switches", CASES, ids=case_id)
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_each_switch_computes_the_reference(target, tmp_path, kind, switches):  # noqa: F811
+def test_each_switch_computes_the_reference(target, tmp_path, kind, switches):
     """Step 0 over 6 positions through the paged cache, then step 1 on the carried state: both steps' carried
     states and logits equal the reference. Step 1 of the reference is the same causal forward with one more row,
     whose hidden input is step 0's carried state at the last position."""
@@ -144,7 +143,7 @@ def test_each_switch_computes_the_reference(target, tmp_path, kind, switches):  
                                               attention)[0][-1]).abs().max() > 1e-3
 
 
-def test_all_switches_off_is_the_eagle3_forward_bit_for_bit(target, tmp_path):  # noqa: F811
+def test_all_switches_off_is_the_eagle3_forward_bit_for_bit(target, tmp_path):
     """The default path computes exactly the EAGLE-3 formula (same ops, same order): torch.equal, not a tolerance."""
     draft = load_draft(write(tmp_path / "d", mha_config(), mha_weights()), target)
     layer = draft.layers[0]
@@ -166,7 +165,7 @@ def test_all_switches_off_is_the_eagle3_forward_bit_for_bit(target, tmp_path):  
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("kind,switches", [("mla", CASES[5]), ("mha", CASES[6]), ("mha", CASES[5])])
-def test_greedy_speculation_with_every_switch_equals_plain(target_path, tmp_path, kind, switches, k):  # noqa: F811
+def test_greedy_speculation_with_every_switch_equals_plain(target_path, tmp_path, kind, switches, k):
     w, config = with_switches(kind, switches)
     draft_dir = write(tmp_path / "d", config, w)
     prompts, params = [[5, 6, 7], list(range(10, 30)), [17]], SamplingParams(temperature=0, max_tokens=10)
@@ -180,7 +179,7 @@ def test_greedy_speculation_with_every_switch_equals_plain(target_path, tmp_path
 
 @pytest.mark.parametrize("switches", CASES[1:], ids=case_id)
 @pytest.mark.parametrize("arch", ["mla", "mha"])
-def test_ttt_steps_equal_the_engines_chain_with_switches(target, arch, switches):  # noqa: F811
+def test_ttt_steps_equal_the_engines_chain_with_switches(target, arch, switches):
     """What training computes for steps 0..3 (draft_step, the extended mask) is what the engine's paged chain
     computes from every start position, with norm_output's normed state carried between steps."""
     draft = init_draft(target, new_draft_config(target.config, arch, (1, 2, 3), 0, switches=switches), seed=1)
@@ -214,7 +213,7 @@ def test_ttt_steps_equal_the_engines_chain_with_switches(target, arch, switches)
 
 # -- files whose weights and switches disagree ---------------------------------------------------------------------
 
-def test_unused_weights_and_missing_ones_fail_naming_them(target, target_path, tmp_path):  # noqa: F811
+def test_unused_weights_and_missing_ones_fail_naming_them(target, target_path, tmp_path):
     w, config = with_switches("mha", {"fc_norm": True})
     unused = write(tmp_path / "unused", dict(config, fc_norm=False), w)
     with pytest.raises(CheckpointError, match=r"fc_norm\.0\.weight, fc_norm\.1\.weight, fc_norm\.2\.weight present "
@@ -242,7 +241,7 @@ def test_unused_weights_and_missing_ones_fail_naming_them(target, target_path, t
 # -- export ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_every_format_round_trips_the_switches_bit_for_bit(target, target_path, tmp_path, kind):  # noqa: F811
+def test_every_format_round_trips_the_switches_bit_for_bit(target, target_path, tmp_path, kind):
     switches = CASES[5] if kind == "mla" else CASES[6]
     w, config = with_switches(kind, switches)
     source = load_draft(write(tmp_path / "src", config, w), target)
@@ -262,7 +261,7 @@ def test_every_format_round_trips_the_switches_bit_for_bit(target, target_path, 
             export_draft(tmp_path / "src", tmp_path / "speculators", "speculators", str(target_path))
 
 
-def test_speculators_layout(target, target_path, tmp_path):  # noqa: F811
+def test_speculators_layout(target, target_path, tmp_path):
     """The speculators config nests the Llama layer, names the verifier and K, and the weights keep eyas's names."""
     w, config = with_switches("mha", CASES[5])
     write(tmp_path / "src", config, w)
@@ -284,7 +283,7 @@ def test_speculators_layout(target, target_path, tmp_path):  # noqa: F811
     assert all(k.startswith(("fc.", "fc_norm.", "layers.0.", "norm.", "lm_head.", "d2t", "t2d")) for k in keys)
 
 
-def test_speculators_file_without_norm_before_residual_reads_as_vllm_does(target, target_path, tmp_path, caplog):  # noqa: F811
+def test_speculators_file_without_norm_before_residual_reads_as_vllm_does(target, target_path, tmp_path, caplog):
     """vLLM's speculators reader takes an absent norm_before_residual as true: eyas reads such a file the same way
     and says so (its own exports always write the switch)."""
     w, config = with_switches("mha", {})
@@ -299,7 +298,7 @@ def test_speculators_file_without_norm_before_residual_reads_as_vllm_does(target
     assert "taking it as true, as vLLM does" in caplog.text
 
 
-def test_export_warns_what_a_vllm_of_0_32_would_miss(target_path, tmp_path, capsys):  # noqa: F811
+def test_export_warns_what_a_vllm_of_0_32_would_miss(target_path, tmp_path, capsys):
     from eyas.cli import main
 
     w, config = with_switches("mla", {"norm_before_fc": True})

@@ -126,8 +126,7 @@ def test_invariants_hold_through_preemption_pauses_and_drafting(tmp_path):
     """A real engine, speculative (MTP, K = 3, drafting off at 3 running), with a cache too small for its requests:
     sequences are preempted and recomputed, drafting pauses and resumes; the invariants hold after every step and
     the output is plain greedy's."""
-    from test_checkpoint import add_mtp_weights
-    from tiny import YARN, make_hf_checkpoint
+    from tiny import YARN, add_mtp_weights, make_hf_checkpoint
 
     from eyas import LLM
     from eyas.config import SpeculativeConfig
@@ -153,9 +152,7 @@ def test_invariants_hold_through_preemption_pauses_and_drafting(tmp_path):
 
 
 def test_both_draft_kinds_are_draft_heads(tmp_path):
-    from test_checkpoint import add_mtp_weights
-    from test_eagle3 import mla_config, mla_weights, write_draft
-    from tiny import YARN, make_hf_checkpoint
+    from tiny import YARN, add_mtp_weights, make_hf_checkpoint, mla_config, mla_weights, write_draft
 
     from eyas import LLM
     from eyas.engine.proposer import DraftHead
@@ -193,8 +190,7 @@ def test_a_long_pause_keeps_at_most_max_pending_rows(tmp_path, monkeypatch):
     """Drafting off for the whole run (3 running, disable_batch_size 3): each sequence keeps its draft inputs as
     copies of its own rows, and once one would hold more than MAX_PENDING_ROWS, step 0 runs them (no drafts), so a
     pause holds bounded memory. Output is plain greedy's."""
-    from test_checkpoint import add_mtp_weights
-    from tiny import YARN, make_hf_checkpoint
+    from tiny import YARN, add_mtp_weights, make_hf_checkpoint
 
     from eyas import LLM
     from eyas.config import SpeculativeConfig

@@ -14,9 +14,7 @@ from eyas.records import read_eval_prompts
 
 @pytest.fixture(scope="module")
 def copying(tmp_path_factory):
-    from test_checkpoint import add_mtp_weights
-    from test_speculative import rig_bigram_target_and_copying_mtp
-    from tiny import YARN, make_hf_checkpoint
+    from tiny import YARN, add_mtp_weights, make_hf_checkpoint, rig_bigram_target_and_copying_mtp
 
     path = tmp_path_factory.mktemp("copying")
     make_hf_checkpoint(path, rope_parameters=YARN)
@@ -97,8 +95,8 @@ def test_a_random_draft_is_reported_slower_than_plain(tmp_path, capsys):
     from eyas.checkpoint import load_model
     from eyas.eval.acceptance import slower_than_plain_warning
     from eyas.export import save_draft
+    from eyas.models.eagle3 import init_draft, new_draft_config
     from eyas.paths import DEFAULT_MODEL
-    from eyas.train.trainer import init_draft, new_draft_config
 
     assert slower_than_plain_warning(0.96, 96, 100, 1.2) is None  # within timing noise: no warning
     assert "costs more than it saves" in slower_than_plain_warning(0.5, 50, 100, 1.0)
@@ -141,8 +139,7 @@ def test_repetitive_outputs_are_counted_apart(copying):
 def test_eval_through_a_server_equals_in_process_eval(tmp_path):
     """`eyas serve` stands in for the engine a user deploys on: eval --server, one request at a time, reads the
     same acceptance from the server's counters as the in-process eval counts (greedy), per category too."""
-    from test_serve import running
-    from tiny import make_served_checkpoint
+    from tiny import make_served_checkpoint, running
 
     from eyas.client import ServerClient, ServerError
     from eyas.eval.acceptance import evaluate_by_server

@@ -9,21 +9,21 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
-from test_eagle3 import (
+from tiny import (
     DV,
     MODELOPT_EAGLE_CONFIG,
     H,
     V,
     assert_same_draft,
+    make_hf_checkpoint,
     mha_config,
     mha_weights,
     mla_config,
     mla_weights,
     write_draft,
 )
-from tiny import make_hf_checkpoint
 
-from eyas import LLM, SamplingParams, load_model
+from eyas import LLM, SamplingParams
 from eyas import export as export_mod
 from eyas import inspect as inspect_mod
 from eyas.checkpoint import load_draft
@@ -41,18 +41,6 @@ ARCHITECTURES = {  # format -> (MHA architecture, MLA architecture, MLA model_ty
 
 # the formats whose config.json is one flat HF config (speculators nests the layer's: tests/test_eagle31.py)
 FLAT_FORMATS = sorted(f for f in FORMATS if f != "speculators")
-
-
-@pytest.fixture(scope="module")
-def target_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    make_hf_checkpoint(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def target(target_path):
-    return load_model(target_path)
 
 
 def uncompressed_mla():

@@ -23,12 +23,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation import GenerationMode
-from test_serve import checkpoint, running, wait_idle  # noqa: F401  (checkpoint: the module fixture)
+from tiny import NAME, running, wait_idle
 
 from eyas import LLM
 from eyas.serve.protocol import ChatRequest, CompletionRequest
 
-NAME = "tiny"
 MAX_MODEL_LEN = 64  # bounds what a request without max_tokens generates (chat fills the context)
 MAX_TOKENS = 8
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
@@ -80,7 +79,7 @@ def with_request_bodies(schema: dict, vocab_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def live(checkpoint):  # noqa: F811
+def live(checkpoint):
     llm = LLM(checkpoint, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, speculative_method="mtp",
               num_speculative_tokens=2)
     with running(llm, api_key=None, enable_docs=True) as (url, _):
@@ -194,7 +193,7 @@ async def load_round(url: str) -> dict:
     return log
 
 
-def test_32_clients_with_disconnects_leak_nothing(checkpoint):  # noqa: F811
+def test_32_clients_with_disconnects_leak_nothing(checkpoint):
     # 8 running at most and 12 blocks of 16 tokens: requests wait and are preempted, none refused
     llm = LLM(checkpoint, max_num_seqs=8, num_blocks=12, speculative_method="mtp", num_speculative_tokens=2)
     rss = []

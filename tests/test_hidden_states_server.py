@@ -229,7 +229,7 @@ def test_print_vllm_command(setup, capsys):
 
 
 def train_config(setup, out, **kw):
-    from eyas.train.trainer import TrainConfig
+    from eyas.train.config import TrainConfig
 
     return TrainConfig(target=str(setup["target_dir"]), out=str(setup["root"] / out), draft_arch="mla",
                        draft_vocab_size=0, aux_layer_ids=list(AUX), lr=3e-3, warmup_steps=2, max_steps=4,
@@ -515,7 +515,7 @@ def test_the_server_options_need_the_storage_directory(setup, tmp_path, capsys):
             setup["server"].url, "--out", str(tmp_path / "run")]
     assert main(argv) == 2
     assert "--hidden-states-server needs --vllm-storage DIR" in capsys.readouterr().err
-    from eyas.train.trainer import config_from_args
+    from eyas.train.cli import config_from_args
 
     cfg = config_from_args(parse_args([*argv, "--vllm-storage", str(setup["storage"]), "--keep-server-files"]))
     assert cfg.vllm_storage == str(setup["storage"]) and cfg.keep_server_files

@@ -20,8 +20,10 @@ from safetensors.torch import save_file
 from tiny import copy_tokenizer, make_hf_checkpoint
 
 from eyas.cli import main, parse_args
+from eyas.train.batches import collate, target_features
+from eyas.train.config import TrainConfig
 from eyas.train.hidden_states import HiddenStateError, HiddenStateShards, capture_hidden_states, dump_hidden_states
-from eyas.train.trainer import TrainConfig, collate, target_features, train
+from eyas.train.trainer import train
 
 AUX = (1, 2, 3)  # hidden_states ids of the 4-layer tiny target; L = 4 is the last hidden state
 

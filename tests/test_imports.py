@@ -3,7 +3,8 @@
 Two graphs, read from the source with `ast` (nothing is imported but the packages): the module-level imports (what
 runs when a module is first imported, `if TYPE_CHECKING:` blocks included: a reader and a type checker follow them
 too), which must have no cycle at all; and every import, those deferred into functions too, where a cycle is a
-layering problem even when Python never trips on it: none is allowed.
+layering problem even when Python never trips on it: none is allowed. And no test module imports another, at
+module level or inside a function: shared helpers are in tests/tiny.py, shared fixtures in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -143,3 +144,35 @@ def test_no_module_level_import_cycle():
 def test_no_import_cycle_counting_deferred_imports():
     found = cycles(import_graph(deferred=True))
     assert not found, "import cycles (deferred imports included): " + "; ".join(describe(c) for c in found.values())
+
+
+# -- the test modules -----------------------------------------------------------------------------------------------
+
+TESTS = Path(__file__).parent
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The test modules of tests/ that the file at `path` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return {name for name in out if name.startswith("test_") and (TESTS / f"{name}.py").is_file()}
+
+
+def test_imported_test_modules_finds_planted_imports(tmp_path):
+    path = tmp_path / "test_planted.py"
+    path.write_text("import test_serve\nfrom tiny import running\n\n\ndef test_x():\n"
+                    "    from test_eagle3 import write_draft\n")
+    assert imported_test_modules(path) == {"test_serve", "test_eagle3"}
+
+
+def test_no_test_module_imports_another():
+    """What more than one test module needs lives in tests/tiny.py (helpers) or tests/conftest.py (fixtures), where
+    a reader looks for it, not in the test module that happened to need it first."""
+    found = {path.stem: sorted(imported) for path in sorted(TESTS.glob("test_*.py"))
+             if (imported := imported_test_modules(path))}
+    assert not found, "test modules importing test modules (move the helper to tiny.py or conftest.py): " + "; ".join(
+        f"{module} imports {', '.join(imported)}" for module, imported in found.items())

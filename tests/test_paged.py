@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import YARN, make_hf_checkpoint
+from tiny import YARN, add_mtp_weights, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.engine.kv_cache import BlockAllocator, LatentCache
@@ -336,8 +336,6 @@ def test_lane_views_compute_what_gathering_computes():
 def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):
     """Greedy output through the engine (batched, chunked prefill, MTP drafts) is identical with the allocator's
     lanes and without, and with lanes the batched decode steps read the cache in place."""
-    from test_checkpoint import add_mtp_weights
-
     import eyas.engine.llm as engine_llm
     from eyas import LLM, SamplingParams
 

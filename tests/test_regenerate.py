@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import copy_tokenizer, make_hf_checkpoint, running
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
@@ -61,8 +61,6 @@ def test_cli_resumes_after_an_interruption(target, tmp_path):
 def test_server_answers_equal_the_in_process_ones_and_resume(target, tmp_path):
     """`eyas serve` stands in for a vLLM cluster: regenerate --server writes what in-process regenerate writes
     (greedy), and a run cut short resumes with nothing lost and nothing twice."""
-    from test_serve import running
-
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS * 3))
     local = tmp_path / "local.jsonl"

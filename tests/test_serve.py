@@ -8,58 +8,25 @@ import json
 import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import make_served_checkpoint
+from tiny import KEY, NAME, running, wait_idle
 
 from eyas import LLM, SamplingParams
-from eyas.serve.app import build_app
 from eyas.serve.cli import add_cli
 from eyas.serve.metrics import ServerMetrics
 
-KEY = "sk-test"
-NAME = "tiny"
 PROMPTS = ["def add(a, b):\n", "import os\n\nclass Foo:", "x"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a loop."}]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A random target with the shipped tokenizer (and its chat template) and an MTP layer."""
-    return make_served_checkpoint(tmp_path_factory.mktemp("serve_ckpt"))
-
-
-@pytest.fixture(scope="module")
 def reference(checkpoint):
     return LLM(checkpoint)
-
-
-@contextmanager
-def running(llm, api_key=KEY, **app_options):
-    """A real uvicorn server on a free loopback port, in a background thread."""
-    app = build_app(llm, NAME, api_key=api_key, **app_options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +48,6 @@ def metrics(url) -> dict[tuple[str, tuple], float]:
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def wait_idle(llm, timeout=10.0):
-    deadline = time.time() + timeout
-    while llm.scheduler.has_work() or llm.allocator.num_used:
-        assert time.time() < deadline, f"engine still busy: {llm.allocator.num_used} blocks used"
-        time.sleep(0.02)
 
 
 # -- outputs ----------------------------------------------------------------------------------------------------

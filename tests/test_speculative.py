@@ -4,31 +4,21 @@ keeps the target's distribution. Checked with drafts that are mostly rejected an
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_checkpoint import add_mtp_weights
-from tiny import YARN, make_hf_checkpoint
+from tiny import (
+    YARN,
+    add_mtp_weights,
+    make_hf_checkpoint,
+    mha_config,
+    mha_weights,
+    mla_config,
+    mla_weights,
+    rig_bigram_target_and_copying_mtp,
+    write_draft,
+)
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
 from eyas.engine.sequence import check_invariants
-
-
-def rig_bigram_target_and_copying_mtp(path):
-    """Zero every layer's writes to the residual stream: the target becomes a bigram model
-    (next = argmax lm_head(norm(embed(token)))). The MTP layer is set to predict the same function of the token it
-    is given, so it proposes exactly what the target will say: nearly every draft is accepted."""
-    tensors = load_file(path / "model.safetensors")
-    L = max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
-    H = tensors["model.embed_tokens.weight"].shape[1]
-    for key in tensors:
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[key] = torch.zeros_like(tensors[key])
-    p = f"model.layers.{L}."
-    tensors[p + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
-    for name in ("enorm", "hnorm", "shared_head.norm", "input_layernorm", "post_attention_layernorm"):
-        tensors[p + name + ".weight"] = torch.ones(H)
-    tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, path / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +217,6 @@ def rig_bigram_target_and_first_step_eagle(target_dir, draft_dir):
     an MHA EAGLE-3 draft whose attention looks only at its own position and copies the next token's embedding:
     its step-0 proposal is exactly the target's next token; later steps mix in their carried hidden state and
     are mostly wrong. So acceptance is high at draft position 1 and low after it."""
-    from test_eagle3 import mha_config, write_draft
-
     tensors = load_file(target_dir / "model.safetensors")
     for key in tensors:
         if key.endswith(("o_proj.weight", "down_proj.weight")):
@@ -257,8 +245,6 @@ def rig_bigram_target_and_first_step_eagle(target_dir, draft_dir):
 
 @pytest.fixture(scope="module")
 def eagle_drafts(tmp_path_factory):
-    from test_eagle3 import mha_config, mha_weights, mla_config, mla_weights, write_draft
-
     target = tmp_path_factory.mktemp("eagle_target")
     make_hf_checkpoint(target)
     base = tmp_path_factory.mktemp("drafts")

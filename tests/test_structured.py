@@ -6,7 +6,7 @@ import re
 
 import jsonschema
 import pytest
-from tiny import make_served_checkpoint
+from tiny import REGEX, SCHEMAS, STRUCTURED_PROMPTS, make_served_checkpoint, spec
 from transformers import AutoTokenizer
 
 from eyas import LLM, SamplingParams
@@ -15,30 +15,6 @@ from eyas.paths import DEFAULT_MODEL
 from eyas.sampling_params import StructuredOutputParams
 
 shipped = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").is_file(), reason="no shipped model")
-
-# bounded (string lengths, integer ranges, array sizes) so every output can end within max_tokens
-SCHEMAS = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]}}, "required": ["name", "age", "role"]},
-    "item": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        "in_stock": {"type": "boolean"}}, "required": ["id", "tags", "in_stock"]},
-    "point": {"type": "object", "properties": {
-        "at": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -100, "maximum": 100},
-                                                "y": {"type": "integer", "minimum": -100, "maximum": 100}},
-               "required": ["x", "y"]},
-        "label": {"enum": ["start", "end", "via"]}}, "required": ["at", "label"]},
-}
-PROMPTS = ["Describe a user as JSON:", "def add(a, b):\n", "The config is", "import json\n\ndata = ",
-           "Q: what is in stock?\nA:", "x", "Once upon a time", "# settings\n", "{", "The answer:"]
-REGEX = r"[0-9]{3}-[a-z]{2,5}"
-
-
-def spec(name: str) -> StructuredOutputParams:
-    return StructuredOutputParams(json_schema=SCHEMAS[name])
 
 
 # -- the spec and the matcher ------------------------------------------------------------------------------------
@@ -102,7 +78,7 @@ def check(name: str, text: str) -> None:
 def test_fifty_json_schema_requests_parse_validate_and_still_speculate():
     llm = LLM(max_num_seqs=16, speculative_method="mtp", num_speculative_tokens=3)
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(50)]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(50)]
+    prompts = [STRUCTURED_PROMPTS[i % len(STRUCTURED_PROMPTS)] for i in range(50)]
     params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=128, structured_output=spec(n))
               for i, n in enumerate(names)]
     outs = llm.generate(prompts, params)
@@ -129,7 +105,7 @@ def test_greedy_constrained_speculative_equals_plain_shipped(k):
     specd = LLM(max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=k)
     specs = [spec(n) for n in SCHEMAS] + [StructuredOutputParams(regex=REGEX), StructuredOutputParams(json_object=True)]
     params = [SamplingParams(temperature=0, max_tokens=64, structured_output=s) for s in specs]
-    prompts = PROMPTS[:len(params)]
+    prompts = STRUCTURED_PROMPTS[:len(params)]
     for a, b in zip(plain.generate(prompts, params), specd.generate(prompts, params)):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
     assert specd.scheduler.metrics.acceptance_length > 1.0
@@ -138,8 +114,8 @@ def test_greedy_constrained_speculative_equals_plain_shipped(k):
 @shipped
 def test_regex_output_matches():
     llm = LLM(max_num_seqs=8, speculative_method="mtp", num_speculative_tokens=3)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.7, seed=3, max_tokens=32,
-                                                structured_output=StructuredOutputParams(regex=REGEX)))
+    outs = llm.generate(STRUCTURED_PROMPTS, SamplingParams(temperature=0.7, seed=3, max_tokens=32,
+                                                           structured_output=StructuredOutputParams(regex=REGEX)))
     for out in outs:
         assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
 
@@ -154,7 +130,7 @@ def random_target(tmp_path_factory):
 def test_greedy_constrained_speculative_equals_plain_random_target(random_target, k):
     params = [SamplingParams(temperature=0, max_tokens=48, structured_output=spec(n)) for n in SCHEMAS]
     params.append(SamplingParams(temperature=0, max_tokens=48, structured_output=StructuredOutputParams(regex=REGEX)))
-    prompts = PROMPTS[:len(params)]
+    prompts = STRUCTURED_PROMPTS[:len(params)]
     plain = LLM(random_target, max_num_seqs=4, block_size=4, max_num_batched_tokens=11).generate(prompts, params)
     llm = LLM(random_target, max_num_seqs=4, block_size=4, max_num_batched_tokens=11, speculative_method="mtp",
               num_speculative_tokens=k)
@@ -171,9 +147,9 @@ def test_ungrammatical_drafts_are_cut_and_output_unchanged(random_target):
     grammar: the request stops where the structured output is complete."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, structured_output=spec("person"))
     kw = dict(max_num_seqs=4, block_size=4, max_num_batched_tokens=11)
-    plain = LLM(random_target, **kw).generate([PROMPTS[0]], params)[0]
+    plain = LLM(random_target, **kw).generate([STRUCTURED_PROMPTS[0]], params)[0]
     llm = LLM(random_target, speculative_method="mtp", num_speculative_tokens=3, **kw)
-    seq = llm.add_request(PROMPTS[0], params)
+    seq = llm.add_request(STRUCTURED_PROMPTS[0], params)
     assert not seq.grammar.allowed_mask()[0]
     step = 0
     while llm.scheduler.has_work():

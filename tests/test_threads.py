@@ -49,7 +49,8 @@ def test_llm_default_is_what_the_cli_picks(target, two_threads, capsys):
 
 
 def test_train_uses_the_rule(target, two_threads, tmp_path):
-    from eyas.train.trainer import TrainConfig, train
+    from eyas.train.config import TrainConfig
+    from eyas.train.trainer import train
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def f_{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(4)))

@@ -6,7 +6,7 @@ from tiny import YARN, make_hf_checkpoint
 
 from eyas import load_model
 from eyas.models.attention import AttentionMetadata
-from eyas.train.trainer import init_draft, new_draft_config
+from eyas.models.eagle3 import init_draft, new_draft_config
 from eyas.train.ttt import draft_step, read_positions, soft_cross_entropy, ttt_loss
 
 
