@@ -92,20 +92,26 @@ def evaluate(llm, records: list[dict], params: SamplingParams, progress: bool = 
 
 def measure_acceptance(target: str, draft, device: str, prompts: Path | None = None, num_prompts: int = 8,
                        max_new_tokens: int = 64, threads: int | None = None) -> float:
-    """An EAGLE-3 draft's acceptance length as it is now (in training), through the engine: greedy, K=3, on
-    `num_prompts` of the eval prompts spread over the file (its categories come in blocks)."""
+    """A draft's acceptance length as it is now (in training), through the engine: greedy, K=3 (an EAGLE-3
+    draft) or its whole block (a DFlash draft), on `num_prompts` of the eval prompts spread over the file (its
+    categories come in blocks)."""
     import tempfile
 
     from eyas.config import SpeculativeConfig
     from eyas.engine.llm import LLM
-    from eyas.export import save_draft
+    from eyas.export import save_dflash_draft, save_draft
+    from eyas.models.dflash import DFlashDraft
     from eyas.paths import DEFAULT_EVAL_PROMPTS
 
     records = spread(read_eval_prompts(Path(prompts or DEFAULT_EVAL_PROMPTS)), num_prompts)
     with tempfile.TemporaryDirectory(prefix="eyas-eval-draft-") as tmp:
-        save_draft(draft, Path(tmp), fmt="eyas")
-        llm = LLM(target, device=device, max_num_seqs=len(records), threads=threads,
-                  speculative_config=SpeculativeConfig(method="eagle", draft_model=tmp))
+        if isinstance(draft, DFlashDraft):
+            save_dflash_draft(draft, Path(tmp))
+            spec = SpeculativeConfig(method="dflash", draft_model=tmp, num_speculative_tokens=draft.block_size - 1)
+        else:
+            save_draft(draft, Path(tmp), fmt="eyas")
+            spec = SpeculativeConfig(method="eagle", draft_model=tmp)
+        llm = LLM(target, device=device, max_num_seqs=len(records), threads=threads, speculative_config=spec)
         report = evaluate(llm, records, SamplingParams(temperature=0, max_tokens=max_new_tokens))
     return report["overall"]["acceptance_length"]
 

@@ -15,6 +15,7 @@ per committed position and kept (`context_kv`), as a KV cache is; the block's ow
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,3 +303,35 @@ def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: in
     sees_block = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(B, -1, -1)  # [B, A * bs, A * bs]
     real = (anchors >= 0).repeat_interleave(block_size, dim=1).unsqueeze(-1)  # rows of absent blocks see only
     return torch.cat([sees_context & real, sees_block], dim=-1).unsqueeze(1)  # their own block: never empty
+
+
+def new_dflash_config(target: DeepseekV3Config, num_layers: int, block_size: int, target_layer_ids: tuple[int, ...],
+                      mask_token_id: int, intermediate_size: int = 0) -> DFlashConfig:
+    """A new draft shaped after `target`: Qwen3-style layers of the target's width and head count (head_dim =
+    hidden / heads, full multi-head attention), the target's rope (rotating halves, as Qwen3 does) and its dense MLP
+    width unless `intermediate_size` says otherwise."""
+    heads = target.num_attention_heads
+    head_dim = target.hidden_size // heads
+    rope = dataclasses.replace(target.rope, head_dim=head_dim, interleave=False)
+    return DFlashConfig(hidden_size=target.hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
+                        num_key_value_heads=heads, head_dim=head_dim,
+                        intermediate_size=intermediate_size or target.intermediate_size, block_size=block_size,
+                        target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id,
+                        vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers, rope=rope,
+                        max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
+                        source="the new draft's settings")
+
+
+def init_dflash_draft(target: nn.Module, config: DFlashConfig, seed: int = 0) -> DFlashDraft:
+    """Random projections (std 0.02) and unit norms, over the target's embedding and lm_head (shared, frozen); built
+    on the CPU (the same numbers whatever the device), then moved next to the target, its own weights float32."""
+    torch.manual_seed(seed)
+    draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
+    for name, p in draft.named_parameters():
+        if name in SHARED_WEIGHTS:
+            continue
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+        else:
+            nn.init.ones_(p)
+    return draft.to(device=target.lm_head.weight.device)

@@ -13,6 +13,7 @@ from torch import nn
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
+from eyas.models.dflash import default_target_layer_ids
 from eyas.train.config import TrainConfig
 from eyas.train.ttt import read_positions
 
@@ -53,17 +54,24 @@ def target_features(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[i
     padding are many positions, and the vocab-wide head is the target's largest matmul. A dump whose last hidden
     state is already past the final norm (`last_hidden_post_norm`, from its manifest: some tools store it so)
     goes straight to the head; normed twice, the teacher would be another distribution."""
-    if "aux_hidden_states" in batch:
-        aux = batch["aux_hidden_states"].to(target.lm_head.weight.dtype)
-        last = batch["last_hidden"].to(target.lm_head.weight.dtype)
-    else:
-        from eyas.train.hidden_states import capture_hidden_states
-
-        aux, last = capture_hidden_states(target, batch["input_ids"], aux_ids)
+    aux, last = target_hidden_states(target, batch, aux_ids)
+    if "aux_hidden_states" not in batch:
         last_hidden_post_norm = False  # captured here: before the norm
     read = read_positions(batch["loss_mask"].to(last.device))
     normed = last[read] if last_hidden_post_norm else target.model.norm(last[read])
     return aux, target.compute_logits(normed)
+
+
+@torch.no_grad()
+def target_hidden_states(target: DeepseekV3ForCausalLM, batch: dict, aux_ids: tuple[int, ...]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B, T, n_aux, H], last hidden state [B, T, H]) from a dumped batch or by running the target."""
+    if "aux_hidden_states" in batch:
+        dtype = target.lm_head.weight.dtype
+        return batch["aux_hidden_states"].to(dtype), batch["last_hidden"].to(dtype)
+    from eyas.train.hidden_states import capture_hidden_states
+
+    return capture_hidden_states(target, batch["input_ids"], aux_ids)
 
 
 @dataclass(slots=True)
@@ -85,8 +93,11 @@ def load_training_data(cfg: TrainConfig, target: nn.Module) -> TrainingData:
     from eyas.engine.llm import load_tokenizer
     from eyas.train.data import load_dataset
 
-    aux_ids = to_hidden_state_ids(cfg.aux_layer_ids or list(default_aux_layer_ids(L)),
-                                  AuxConvention(cfg.aux_layer_convention), L)
+    if cfg.draft_arch == "dflash" and not cfg.aux_layer_ids:  # z-lab's rule: one target layer per draft layer
+        aux_ids = tuple(i + 1 for i in default_target_layer_ids(L, cfg.num_draft_layers))
+    else:
+        aux_ids = to_hidden_state_ids(cfg.aux_layer_ids or list(default_aux_layer_ids(L)),
+                                      AuxConvention(cfg.aux_layer_convention), L)
     loaded = load_dataset(cfg.data, load_tokenizer(cfg.target), cfg.max_length)
     if not cfg.hidden_states_server:
         return TrainingData([{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in loaded], None, aux_ids,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.models.dflash import SHARED_WEIGHTS, DFlashDraft
 from eyas.models.eagle3 import Eagle3Draft
 from eyas.train.config import TrainConfig, comparable
 
@@ -141,18 +142,24 @@ def load_training_state(run_dir: RunDir, device: torch.device) -> dict | None:
     return None
 
 
-def save_checkpoint(run_dir: RunDir, draft: Eagle3Draft, optimizer_state: dict, step: int, cfg: TrainConfig) -> None:
-    """Atomically: the training state (for --resume) and the draft itself in eyas's layout (for serving)."""
-    from eyas.export import save_draft
+def save_checkpoint(run_dir: RunDir, draft: Eagle3Draft | DFlashDraft, optimizer_state: dict, step: int,
+                    cfg: TrainConfig) -> None:
+    """Atomically: the training state (for --resume) and the draft itself, servable (eyas's layout; a DFlash
+    draft in z-lab's)."""
+    from eyas.export import save_dflash_draft, save_draft
 
     run_dir.checkpoint.mkdir(parents=True, exist_ok=True)
-    own = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
+    shared = SHARED_WEIGHTS if isinstance(draft, DFlashDraft) else ("embed_tokens.weight",)  # the target's
+    own = {k: v for k, v in draft.state_dict().items() if k not in shared}
     tmp = run_dir.state.with_name(run_dir.state.name + ".tmp")
     torch.save({"draft": own, "optimizer": optimizer_state, "step": step, "config": comparable(cfg)}, tmp)
     if run_dir.state.is_file():  # kept until the new one is in place: a state.pt cut short falls back to it
         os.replace(run_dir.state, run_dir.previous_state)
     os.replace(tmp, run_dir.state)
-    save_draft(draft, run_dir.draft, fmt="eyas")
+    if isinstance(draft, DFlashDraft):
+        save_dflash_draft(draft, run_dir.draft)  # z-lab's layout, which eyas, vLLM and SGLang load
+    else:
+        save_draft(draft, run_dir.draft, fmt="eyas")
 
 
 def save_sharded_checkpoint(run_dir: RunDir, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, step: int,

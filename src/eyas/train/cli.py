@@ -12,7 +12,7 @@ from eyas.paths import DEFAULT_DATA, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 from eyas.train.batches import PREFETCH_STEPS
 from eyas.train.checkpointing import RunDir
-from eyas.train.config import REPORTERS, TrainConfig
+from eyas.train.config import BLOCK_LOSSES, DRAFT_ARCHS, REPORTERS, TrainConfig
 from eyas.train.ttt import LOSSES
 
 
@@ -20,8 +20,10 @@ def add_cli(subparsers) -> None:
     d = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
     layout = RunDir(Path("OUT"))
     p = subparsers.add_parser(
-        "train", help="train an EAGLE-3 draft head (online or from dumped hidden states)",
-        description="Train an EAGLE-3 draft for a target with train-time test. Online: --data JSONL "
+        "train", help="train an EAGLE-3 draft head or a DFlash block draft (online or from dumped hidden states)",
+        description="Train an EAGLE-3 draft for a target with train-time test, or a DFlash block draft "
+        "(--draft-arch dflash: many blocks per sequence, each taught the tokens after its anchor). Online: --data "
+        "JSONL "
         "(conversations in OpenAI messages or ShareGPT form, loss on assistant tokens; or {\"text\": ...}); "
         "offline: --hidden-states DIR from `eyas dump-hidden-states`. With neither, the bundled target trains on "
         f"the bundled conversations ({DEFAULT_DATA.relative_to(DEFAULT_MODEL.parents[1])}): a first draft in a few "
@@ -30,6 +32,7 @@ def add_cli(subparsers) -> None:
         f"{layout.log}, {layout.curves} and {layout.recipe} (every setting, readable by --config).")
     _add_data_args(p, layout)
     _add_draft_args(p, d)
+    _add_block_draft_args(p, d)
     _add_optimizer_args(p, d)
     _add_run_args(p, d, layout)
     p.set_defaults(func=_cmd_train)
@@ -59,8 +62,10 @@ def _add_data_args(p: argparse.ArgumentParser, layout: RunDir) -> None:
 
 
 def _add_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
-    p.add_argument("--draft-arch", choices=["mla", "mha"], default=d["draft_arch"],
-                   help="mla: DeepSeek-style attention draft; mha: Llama-style draft")
+    p.add_argument("--draft-arch", choices=DRAFT_ARCHS, default=d["draft_arch"],
+                   help="mla: DeepSeek-style attention EAGLE-3 draft; mha: Llama-style EAGLE-3 draft; dflash: a "
+                   "DFlash block draft (Qwen3-style layers, z-lab's layout; the options below this group's EAGLE-3 "
+                   "ones)")
     p.add_argument("--draft-vocab-size", type=int, help="compress the draft vocabulary to the N most frequent "
                    "loss tokens of the data; 0: the target's whole vocabulary (default: auto, the fewest ids, in "
                    "multiples of 256, covering 95%% of the loss tokens, or the whole vocabulary when that is more "
@@ -91,6 +96,24 @@ def _add_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
                    "sum min(p, q)); lk-lambda (w KL + (1 - w)(1 - alpha), w = scale exp(-decay alpha))")
     p.add_argument("--lk-lambda-scale", type=float, default=d["lk_lambda_scale"], help="lk-lambda's scale")
     p.add_argument("--lk-lambda-decay", type=float, default=d["lk_lambda_decay"], help="lk-lambda's decay")
+
+
+def _add_block_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
+    g = p.add_argument_group("DFlash block drafts (--draft-arch dflash)")
+    g.add_argument("--num-draft-layers", type=int, default=d["num_draft_layers"], help="decoder layers; the "
+                   "target layers the context fuses default to one per draft layer, spread from 1 to L-3 (z-lab's "
+                   "rule; --aux-layer-ids chooses others)")
+    g.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="block rows: the anchor and the block_size - 1 tokens drafted after it in one forward")
+    g.add_argument("--num-anchors", type=int, default=d["num_anchors"],
+                   help="blocks taught per sequence and step, at anchors drawn from its supervised positions")
+    g.add_argument("--block-loss", choices=BLOCK_LOSSES, default=d["block_loss"], help="dpace: rows weighted by "
+                   "the accepted runs that would reach them (speculators' and Model Optimizer's default); ce: "
+                   "cross-entropy with weight exp(-(k-1)/gamma) at row k (the DFlash paper's)")
+    g.add_argument("--block-loss-gamma", type=float, default=d["block_loss_gamma"], help="ce's decay gamma")
+    g.add_argument("--block-loss-alpha", type=float, default=d["block_loss_alpha"], help="dpace's floor alpha")
+    g.add_argument("--mask-token-id", type=int, help="the embedding row the block's masked rows read (default: "
+                   "the first row past the tokenizer's ids, else the tokenizer's pad token)")
 
 
 def _add_optimizer_args(p: argparse.ArgumentParser, d: dict) -> None:
@@ -172,6 +195,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     record = train(cfg, resume=args.resume)
     if record and not record.get("nothing_taught"):
         acc = " / ".join(f"{a:.2f}" for a in record.get("acc_per_step", []))
-        print(f"last step: loss {record['loss']:.4g}, draft accuracy per TTT step {acc}, "
+        per = "block row 1.." if cfg.draft_arch == "dflash" else "TTT step"
+        print(f"last step: loss {record['loss']:.4g}, draft accuracy per {per} {acc}, "
               f"{record['tokens_per_s']:.0f} tokens/s (every step: {run_dir.log})")
     return 130 if record.get("interrupted") else 1 if record.get("nothing_taught") else 0

@@ -11,6 +11,10 @@ import torch
 from eyas.train.ttt import LossKind
 
 REPORTERS = ("tensorboard", "wandb")
+DRAFT_ARCHS = ("mla", "mha", "dflash")  # EAGLE-3 drafts (MLA- or Llama-shaped) and DFlash block drafts
+BLOCK_LOSSES = ("dpace", "ce")  # eyas.train.dflash
+# the EAGLE-3 settings a DFlash run does not read: set to anything but their default, they are an error
+EAGLE_ONLY = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "freeze_lm_head", "vocab_file")
 
 
 @dataclass(slots=True)
@@ -71,6 +75,16 @@ class TrainConfig:
     # the draft's forward and backward under bfloat16 autocast, its weights and optimizer state kept in float32
     # (auto: bf16 on accelerators, no on CPU)
     mixed_precision: str = "auto"
+    # DFlash block drafts (--draft-arch dflash): layers, block size (the anchor and its drafts), blocks taught per
+    # sequence and step, the loss (see eyas.train.dflash), and the mask token (None: the first embedding row past
+    # the tokenizer's ids, else its pad token)
+    num_draft_layers: int = 1
+    block_size: int = 8
+    num_anchors: int = 32
+    block_loss: str = "dpace"
+    block_loss_gamma: float = 7.0
+    block_loss_alpha: float = 0.5
+    mask_token_id: int | None = None
     # where the step metrics also go, besides OUT/train_log.jsonl and the PNG: tensorboard (event files under
     # OUT/tensorboard), wandb (an offline run under OUT/wandb; needs wandb installed)
     report_to: list[str] = field(default_factory=list)
@@ -83,8 +97,10 @@ class TrainConfig:
         if self.hidden_states_server and not self.vllm_storage:
             raise ValueError("--hidden-states-server needs --vllm-storage DIR: the shared_storage_path that vLLM "
                              "was started with (only files inside it are read)")
-        if self.draft_arch not in ("mla", "mha"):
-            raise ValueError(f"--draft-arch is {self.draft_arch!r}; expected mla or mha")
+        if self.draft_arch not in DRAFT_ARCHS:
+            raise ValueError(f"--draft-arch is {self.draft_arch!r}; expected one of {', '.join(DRAFT_ARCHS)}")
+        if self.draft_arch == "dflash":
+            self._check_dflash()
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:
             raise ValueError("--ttt-steps must be >= 1 and --loss-decay in (0, 1]")
         if self.batch_size < 1 or self.max_steps < 1:
@@ -101,6 +117,27 @@ class TrainConfig:
         if self.save_every < 1 or self.save_minutes <= 0 or self.eval_every < 0 or self.eval_num_prompts < 1:
             raise ValueError("--save-every, --save-minutes and --eval-num-prompts must be positive and "
                              "--eval-every at least 0")
+
+    def _check_dflash(self) -> None:
+        """A DFlash run: its own settings in range, and no EAGLE-3 setting it would silently ignore."""
+        if self.block_loss not in BLOCK_LOSSES:
+            raise ValueError(f"--block-loss is {self.block_loss!r}; expected one of {', '.join(BLOCK_LOSSES)}")
+        if not 2 <= self.block_size <= 64 or self.num_draft_layers < 1 or self.num_anchors < 1:
+            raise ValueError("--block-size must be in 2..64, --num-draft-layers and --num-anchors positive")
+        if self.block_loss_gamma <= 0 or not 0 <= self.block_loss_alpha <= 1:
+            raise ValueError("--block-loss-gamma must be positive and --block-loss-alpha in [0, 1]")
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        ignored = [name for name in EAGLE_ONLY if getattr(self, name) != defaults[name]]
+        ignored += [name for name in ("ttt_steps", "loss_decay", "loss") if getattr(self, name) != defaults[name]]
+        if self.draft_vocab_size not in (None, 0):
+            ignored.append("draft_vocab_size")
+        if ignored:
+            flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+            raise ValueError(f"{flags}: EAGLE-3 settings, which a DFlash draft does not have (it drafts over the "
+                             "target's whole vocabulary through the target's own lm_head, one block per forward)")
+        if self.fsdp:
+            raise ValueError("--fsdp shards EAGLE-3 drafts only; train a DFlash draft with plain data parallel "
+                             "(torchrun without --fsdp)")
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The context the draft's loss runs in: bfloat16 matmuls (float32 weights) or plain float32."""

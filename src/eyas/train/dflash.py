@@ -16,9 +16,13 @@ and the loss is sum(w * CE) / sum(w) over the rows whose label exists and is sup
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from eyas.models.dflash import DFlashDraft, block_attention_mask
 
 LOSSES = ("ce", "dpace")
 
@@ -72,6 +76,15 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
                gamma: float = 7.0, alpha: float = 0.5) -> tuple[torch.Tensor, dict]:
     """logits [..., block_size, V] of the block rows; labels, valid [..., block_size] (Blocks) -> (the loss,
     {"acc_per_row": accuracy of rows 1..B-1, "rows": supervised rows}). See the module docstring."""
+    terms = block_loss_terms(logits, labels, valid, loss, gamma, alpha)
+    value = terms.weighted_sum / terms.weight_sum.clamp(min=1e-12)
+    return value, {"acc_per_row": (terms.correct / terms.rows.clamp(min=1)).tolist(), "rows": int(terms.rows.sum())}
+
+
+def block_loss_terms(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, loss: str = "ce",
+                     gamma: float = 7.0, alpha: float = 0.5) -> BlockLossTerms:
+    """block_loss as sums, so that ranks can add them up before dividing (the loss is weighted_sum / weight_sum
+    over the global batch); per row 1..B-1 also the cross-entropy sum, the supervised rows and the top-1 hits."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
     bs = logits.shape[-2]
@@ -86,9 +99,65 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
             reach = torch.cumprod(kept, dim=-1) * valid  # C_j, over the rows that count
             weight = reach.flip(-1).cumsum(-1).flip(-1)  # w_j = sum over m >= j of C_m
     weight = weight * valid
-    total = weight.sum()
-    value = (weight * ce).sum() / total.clamp(min=1e-12)
     with torch.no_grad():
         hits = (logits.argmax(-1) == labels) & valid
-        acc = hits.flatten(0, -2).sum(0) / valid.flatten(0, -2).sum(0).clamp(min=1)
-    return value, {"acc_per_row": acc.tolist(), "rows": int(valid.sum())}
+    rows = lambda t: t.flatten(0, -2).sum(0)  # noqa: E731  [..., B-1] -> [B-1]
+    return BlockLossTerms((weight * ce).sum(), weight.sum().detach(), rows(ce).detach(), rows(valid.float()),
+                          rows(hits.float()))
+
+
+@dataclass(slots=True)
+class BlockLossTerms:
+    weighted_sum: torch.Tensor  # sum(w * CE), with its gradient
+    weight_sum: torch.Tensor  # sum(w)
+    ce_per_row: torch.Tensor  # [B-1] sums of CE
+    rows: torch.Tensor  # [B-1] supervised rows
+    correct: torch.Tensor  # [B-1] rows whose top-1 is the label
+
+
+def choose_mask_token_id(vocab_size: int, tokenizer: Any, override: int | None = None) -> int:
+    """The embedding row a block's masked rows read: `override`, else the first row past the tokenizer's ids
+    (DeepSeek-V3 pads its embedding past them: a row no text ever reads), else the tokenizer's pad token (padding
+    is never taught: it is outside every loss). A row the data also uses would tell the draft nothing at once."""
+    if override is not None:
+        if not 0 <= override < vocab_size:
+            raise ValueError(f"--mask-token-id {override}: expected a row of the target's embedding, "
+                             f"0..{vocab_size - 1}")
+        return override
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in (tokenizer.eos_token_id,
+                                                                             tokenizer.bos_token_id):
+        return tokenizer.pad_token_id
+    raise ValueError(f"the tokenizer uses every one of the target's {vocab_size} embedding rows and has no pad token "
+                     "of its own: choose the block's mask token with --mask-token-id (a token the data never holds)")
+
+
+class BlockObjective(nn.Module):
+    """The DFlash training objective of one batch: blocks at anchors drawn per sequence, every block of a sequence
+    in one draft forward over the sequence's context (the target's states, computed once), the block loss's terms.
+    A module around the draft, as TTTLoss is, so a wrapper (DDP, FSDP) sees one forward."""
+
+    def __init__(self, draft: DFlashDraft, loss: str, gamma: float, alpha: float, num_anchors: int) -> None:
+        super().__init__()
+        self.draft, self.loss, self.gamma, self.alpha, self.num_anchors = draft, loss, gamma, alpha, num_anchors
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
+                generators: list[torch.Generator]) -> BlockLossTerms:
+        """input_ids, loss_mask [B, T]; aux [B, T, n, H] (the target's states at the draft's target layers, in
+        order); one generator per sequence, which draws its anchors."""
+        draft, B, T = self.draft, *input_ids.shape
+        bs = draft.block_size
+        anchors = [sample_anchors(loss_mask[b].cpu(), self.num_anchors, generators[b]).to(input_ids.device)
+                   for b in range(B)]
+        blocks = make_blocks(input_ids, loss_mask, anchors, bs, draft.config.mask_token_id)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        context = draft.context_kv(aux.flatten(2).to(draft.fc.weight.dtype), positions)
+        mask = block_attention_mask(blocks.anchors, T, bs)
+        hidden = draft(blocks.input_ids, blocks.positions, context, mask)
+        A = blocks.anchors.shape[1]
+        rows = blocks.valid.flatten(1)  # the head runs at the taught rows only: it is the widest matmul
+        logits = hidden.new_zeros(B, A * bs, draft.config.vocab_size)
+        logits[rows] = draft.compute_logits(hidden[rows].to(draft.lm_head.weight.dtype)).to(logits.dtype)
+        return block_loss_terms(logits.view(B, A, bs, -1), blocks.labels, blocks.valid, self.loss, self.gamma,
+                                self.alpha)

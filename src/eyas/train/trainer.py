@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eyas.models.dflash import DFlashDraft, init_dflash_draft, new_dflash_config
 from eyas.models.eagle3 import EAGLE31_SWITCHES, Eagle3Draft, init_draft, new_draft_config
 from eyas.threads import configure_threads
-from eyas.train.batches import Batches, TrainingData, load_training_data, target_features
+from eyas.train.batches import Batches, TrainingData, load_training_data, target_features, target_hidden_states
 from eyas.train.checkpointing import Checkpointer, RunDir, RunLock, load_sharded_state, load_training_state
 from eyas.train.config import TrainConfig, check_resumable, write_recipe
+from eyas.train.dflash import BlockObjective, choose_mask_token_id
 from eyas.train.distributed import (
     agreed,
     all_reduce_sum,
@@ -70,8 +72,8 @@ class Run:
     target: nn.Module  # the whole target (online) or only its head (states from a dump or a server)
     data: TrainingData
     batches: Batches
-    draft: Eagle3Draft
-    loss_fn: TTTLoss
+    draft: Eagle3Draft | DFlashDraft
+    loss_fn: TTTLoss | BlockObjective
     fsdp: bool
     names: tuple[str, ...]  # the trained parameters' names, in the optimizer's order
     params: tuple[torch.Tensor, ...]
@@ -96,12 +98,17 @@ def setup(cfg: TrainConfig, resume: bool) -> Run:
     data = load_training_data(cfg, target)
     if len(data.examples) < cfg.batch_size:
         raise ValueError(f"{len(data.examples)} training examples are fewer than one batch of {cfg.batch_size}")
-    draft = _new_draft(cfg, target, data, rank)
-    loss_fn = TTTLoss(draft)
+    if cfg.draft_arch == "dflash":
+        draft = _new_block_draft(cfg, target, data)
+        loss_fn = BlockObjective(draft, cfg.block_loss, cfg.block_loss_gamma, cfg.block_loss_alpha, cfg.num_anchors)
+    else:
+        draft = _new_draft(cfg, target, data, rank)
+        loss_fn = TTTLoss(draft)
     fsdp = cfg.fsdp and world > 1  # one rank has nothing to shard across
     if fsdp:
         shard_draft(loss_fn, world)  # before the optimizer: it must hold the sharded parameters
-    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head else ("embed_tokens",)
+    # the target's embedding (and a DFlash draft's lm_head, the target's too) are shared, never trained
+    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head or cfg.draft_arch == "dflash" else ("embed_tokens",)
     names, params = zip(*[(name, p) for name, p in draft.named_parameters() if not name.startswith(frozen)])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     run = Run(cfg, rank, world, device, run_dir, target, data, Batches(data, cfg, rank, world, device), draft,
@@ -128,6 +135,17 @@ def _new_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData, rank: in
     if cfg.freeze_lm_head:
         draft.lm_head.requires_grad_(False)
     return draft
+
+
+def _new_block_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData) -> DFlashDraft:
+    """A DFlash draft at step 0 over the data's target layers (aux ids are hidden_states indices: layer i's output
+    is hidden_states[i + 1], z-lab's target_layer_ids are the layers)."""
+    from eyas.engine.llm import load_tokenizer
+
+    mask = choose_mask_token_id(target.config.vocab_size, load_tokenizer(cfg.target), cfg.mask_token_id)
+    config = new_dflash_config(target.config, cfg.num_draft_layers, cfg.block_size,
+                               tuple(i - 1 for i in data.aux_ids), mask, cfg.intermediate_size)
+    return init_dflash_draft(target, config, seed=cfg.seed)
 
 
 def _resume(run: Run) -> None:
@@ -198,23 +216,22 @@ def train_loop(run: Run, on_step: Callable[[int, dict], None] | None = None) -> 
 def train_step(run: Run) -> dict:
     """One optimizer step on this rank's slice of the step's global batch; returns its log record (with the
     number of batch positions this rank read, as `tokens`)."""
-    cfg, step = run.cfg, run.step
     for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(cfg, step)
-    batch = run.batches.at(step)
+        group["lr"] = lr_at(run.cfg, run.step)
+    batch = run.batches.at(run.step)
+    return block_step(run, batch) if isinstance(run.loss_fn, BlockObjective) else ttt_step(run, batch)
+
+
+def ttt_step(run: Run, batch: dict[str, torch.Tensor]) -> dict:
+    """An EAGLE-3 draft's step: the train-time-test loss, each TTT position normalised by its global count."""
+    cfg, step = run.cfg, run.step
     aux, target_logits = target_features(run.target, batch, run.data.aux_ids, run.data.last_hidden_post_norm)
     with cfg.autocast(run.device):
         result = run.loss_fn(batch["input_ids"], batch["loss_mask"], aux, target_logits, cfg.ttt_steps,
                              cfg.loss_decay, LossKind(cfg.loss, cfg.lk_lambda_scale, cfg.lk_lambda_decay))
     counts = all_reduce_sum(torch.stack(result.counts).detach(), run.world)
     loss = sum(cfg.loss_decay ** k * s / counts[k].clamp(min=1) for k, s in enumerate(result.loss_sums))
-    run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if not run.fsdp:  # FSDP's backward has reduce-scattered them already
-        sum_gradients(run.params, run.world)
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip).item()
-    run.optimizer.step()
-    run.step += 1
+    grad_norm = _optimize(run, loss)
     stats = all_reduce_sum(torch.stack([torch.stack(result.loss_sums).detach(), torch.stack(result.correct)]),
                            run.world)
     per_step_loss = (stats[0] / counts.clamp(min=1)).tolist()
@@ -223,6 +240,38 @@ def train_step(run: Run) -> dict:
             "loss_per_step": [round(x, 5) for x in per_step_loss],
             "acc_per_step": [round(x, 5) for x in (stats[1] / counts.clamp(min=1)).tolist()],
             "tokens": int(batch["loss_mask"].numel())}
+
+
+def block_step(run: Run, batch: dict[str, torch.Tensor]) -> dict:
+    """A DFlash draft's step: blocks at each sequence's anchors, drawn from (seed, step, the example's index in the
+    data), so that any split over ranks draws the anchors one process would; the loss is the global batch's
+    weighted sum over its global weight."""
+    cfg, step = run.cfg, run.step
+    aux, _ = target_hidden_states(run.target, batch, run.data.aux_ids)
+    generators = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 100_003 + i)
+                  for i in run.batches.indices(step)]
+    with cfg.autocast(run.device):
+        terms = run.loss_fn(batch["input_ids"], batch["loss_mask"], aux, generators)
+    weight = all_reduce_sum(terms.weight_sum, run.world)
+    grad_norm = _optimize(run, terms.weighted_sum / weight.clamp(min=1e-12))
+    ce_per_row, rows, correct = all_reduce_sum(torch.stack([terms.ce_per_row, terms.rows, terms.correct]), run.world)
+    loss = all_reduce_sum(terms.weighted_sum.detach().clone(), run.world) / weight.clamp(min=1e-12)
+    return {"step": run.step, "loss": round(loss.item(), 5), "lr": lr_at(cfg, step), "grad_norm": round(grad_norm, 4),
+            "loss_per_step": [round(x, 5) for x in (ce_per_row / rows.clamp(min=1)).tolist()],
+            "acc_per_step": [round(x, 5) for x in (correct / rows.clamp(min=1)).tolist()],
+            "tokens": int(batch["loss_mask"].numel())}
+
+
+def _optimize(run: Run, loss: torch.Tensor) -> float:
+    """Backward, the ranks' gradients summed, clipped, one optimizer step; returns the gradient norm."""
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if not run.fsdp:  # FSDP's backward has reduce-scattered them already
+        sum_gradients(run.params, run.world)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.params, run.cfg.grad_clip).item()
+    run.optimizer.step()
+    run.step += 1
+    return grad_norm
 
 
 def _measure_acceptance(run: Run) -> float:

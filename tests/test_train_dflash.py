@@ -1,0 +1,194 @@
+"""`eyas train --draft-arch dflash`: a DFlash block draft learns, is saved in z-lab's layout and serves, resumes
+exactly, trains data parallel as one process does, and refuses the EAGLE-3 settings it would ignore."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny import copy_tokenizer, make_hf_checkpoint
+
+from eyas.train.config import TrainConfig
+from eyas.train.dflash import choose_mask_token_id
+from eyas.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-dflash")
+    target = root / "target"
+    make_hf_checkpoint(target, vocab_size=8192)
+    copy_tokenizer(target)
+    data = root / "data.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
+                           {"role": "assistant", "content": f"    return a + b + {i}\n" * 3}]} for i in range(24)]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root, target, data
+
+
+def config(setup, out, **kw):
+    root, target, data = setup
+    base = dict(target=str(target), out=str(root / out), data=str(data), draft_arch="dflash", block_size=4,
+                num_anchors=8, lr=3e-3, warmup_steps=2, max_steps=8, batch_size=4, max_length=64, save_every=4,
+                seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_log(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup):
+    from eyas import load_model
+    from eyas.checkpoint import load_dflash_draft
+    from eyas.config import SpeculativeConfig
+    from eyas.engine.llm import LLM
+    from eyas.sampling_params import SamplingParams
+
+    root, target_dir, _ = setup
+    train(config(setup, "learns", max_steps=40, save_every=40, block_loss="ce"))
+    log = read_log(root / "learns" / "train_log.jsonl")
+    first, last = log[:5], log[-5:]
+    mean = lambda rs, f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, lambda r: r["loss"]) < mean(first, lambda r: r["loss"]) - 0.8
+    assert mean(last, lambda r: r["acc_per_step"][0]) > mean(first, lambda r: r["acc_per_step"][0]) + 0.2
+    assert len(log[0]["acc_per_step"]) == 3  # rows 1..block_size-1
+    draft_dir = root / "learns" / "draft"
+    raw = json.loads((draft_dir / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
+    # one layer: z-lab's rule reads the target's middle layer; the tokenizer's pad token is the mask
+    assert raw["dflash_config"] == {"target_layer_ids": [2], "mask_token_id": 2}
+    target = load_model(target_dir)
+    draft = load_dflash_draft(draft_dir, target)
+    state = torch.load(root / "learns" / "checkpoint" / "state.pt", weights_only=True)
+    own = draft.state_dict()
+    assert set(state["draft"]) == {k for k in own if k not in ("embed_tokens.weight", "lm_head.weight")}
+    for key, value in state["draft"].items():
+        assert torch.equal(own[key], value), key
+    prompts = ["def add_3(a, b):\n", "def add_7(a, b):\n    return"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.token_ids for o in LLM(str(target_dir)).generate(prompts, params)]
+    spec = SpeculativeConfig(method="dflash", draft_model=str(draft_dir))
+    outs = LLM(str(target_dir), speculative_config=spec).generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_drafted for o in outs) > 0  # the draft ran (a random target: its own answers, not the data)
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_after(last):
+    def on_step(step, record):
+        if step == last:
+            raise Killed(step)
+    return on_step
+
+
+def test_resume_continues_exactly(setup):
+    """Killed after step 6 (its checkpoint is step 4's), then resumed: steps 5 and 6 run again, the same, and
+    the run ends where the uninterrupted one does, to the byte."""
+    root = setup[0]
+    train(config(setup, "whole", max_steps=8))
+    with pytest.raises(Killed):
+        train(config(setup, "halves", max_steps=8), on_step=kill_after(6))
+    train(config(setup, "halves", max_steps=8), resume=True)
+    whole, halves = read_log(root / "whole" / "train_log.jsonl"), read_log(root / "halves" / "train_log.jsonl")
+    assert [r["step"] for r in halves] == list(range(1, 9))
+    for a, b in zip(whole, halves):
+        assert (a["loss"], a["acc_per_step"], a["grad_norm"]) == (b["loss"], b["acc_per_step"], b["grad_norm"])
+    for name in ("model.safetensors", "config.json"):
+        assert (root / "whole" / "draft" / name).read_bytes() == (root / "halves" / "draft" / name).read_bytes()
+
+
+def test_two_process_data_parallel_equals_one_process(setup):
+    root, target, data = setup
+    args = ["train", "--draft-arch", "dflash", "--target", str(target), "--data", str(data), "--block-size", "4",
+            "--num-anchors", "8", "--max-steps", "3", "--batch-size", "4", "--max-length", "64", "--lr", "3e-3",
+            "--warmup-steps", "2"]
+    one = subprocess.run([sys.executable, "-m", "eyas.cli", *args, "--out", str(root / "one")], capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = shutil.which("torchrun") or "torchrun"
+    two = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "eyas.cli", *args, "--out",
+                          str(root / "two")], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = read_log(root / "one" / "train_log.jsonl"), read_log(root / "two" / "train_log.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["acc_per_step"] == x["acc_per_step"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4, abs=2e-4)
+
+
+@pytest.mark.parametrize("setting, flag", [({"fc_norm": True}, "--fc-norm"), ({"ttt_steps": 5}, "--ttt-steps"),
+                                          ({"loss": "lk-alpha"}, "--loss"),
+                                          ({"draft_vocab_size": 2048}, "--draft-vocab-size"),
+                                          ({"freeze_lm_head": True}, "--freeze-lm-head")])
+def test_eagle3_settings_are_refused_by_name(setup, setting, flag):
+    with pytest.raises(ValueError, match=f"{flag}: EAGLE-3 settings, which a DFlash draft does not have"):
+        config(setup, "refused", **setting)
+
+
+def test_dflash_settings_are_checked(setup):
+    with pytest.raises(ValueError, match="--block-loss is 'kl'"):
+        config(setup, "refused", block_loss="kl")
+    with pytest.raises(ValueError, match="--block-size must be in 2..64"):
+        config(setup, "refused", block_size=1)
+    with pytest.raises(ValueError, match="--fsdp shards EAGLE-3 drafts only"):
+        config(setup, "refused", fsdp=True)
+
+
+class Tokenizer(SimpleNamespace):
+    def __len__(self):
+        return self.n
+
+
+def tokenizer(n, pad, eos=1, bos=0):
+    return Tokenizer(n=n, pad_token_id=pad, eos_token_id=eos, bos_token_id=bos)
+
+
+def test_the_mask_token_rule():
+    assert choose_mask_token_id(129280, tokenizer(128815, 1)) == 128815  # DeepSeek-V3: the first row past its ids
+    assert choose_mask_token_id(8192, tokenizer(8192, 2)) == 2  # every row used: the pad token
+    assert choose_mask_token_id(8192, tokenizer(8192, 2), override=7) == 7
+    with pytest.raises(ValueError, match="--mask-token-id"):
+        choose_mask_token_id(8192, tokenizer(8192, None))
+    with pytest.raises(ValueError, match="--mask-token-id"):
+        choose_mask_token_id(8192, tokenizer(8192, 1))  # the pad token is the end of sentence: the data holds it
+    with pytest.raises(ValueError, match="0..8191"):
+        choose_mask_token_id(8192, tokenizer(8192, 2), override=8192)
+
+
+def test_online_and_offline_give_the_same_loss(setup):
+    """From a dump of the target layer the draft reads (hidden_states index 3: layer 2's output), the run is the
+    online run: the same anchors, blocks and losses."""
+    from eyas import load_model
+    from eyas.engine.llm import load_tokenizer
+    from eyas.train.data import load_dataset
+    from eyas.train.hidden_states import dump_hidden_states
+
+    root, target_dir, data = setup
+    target = load_model(target_dir)
+    examples = load_dataset(data, load_tokenizer(target_dir), 64)
+    dump = root / "dump"
+    dump_hidden_states(target, examples, dump, (3,), examples_per_shard=16, dtype=torch.float32, batch_size=1,
+                       target_path=target_dir)
+    online = read_log_of(train, config(setup, "online", max_steps=3))
+    offline = read_log_of(train, config(setup, "offline", data=None, hidden_states=str(dump), max_steps=3))
+    assert json.loads((root / "offline" / "draft" / "config.json").read_text())["dflash_config"][
+        "target_layer_ids"] == [2]
+    for a, b in zip(online, offline):
+        assert b["loss_per_step"] == pytest.approx(a["loss_per_step"], rel=1e-5, abs=1e-6)
+        assert b["acc_per_step"] == a["acc_per_step"]
+
+
+def read_log_of(run, cfg):
+    run(cfg)
+    return read_log(Path(cfg.out) / "train_log.jsonl")
