@@ -202,3 +202,30 @@ def test_from_a_stage_reruns_it_and_the_later_ones_moving_resumable_outputs_asid
     (work / "draft.old-1").rename(work / "draft")
     with pytest.raises(PipelineError, match="--from regenerate: this recipe runs only"):
         forget_from("regenerate", [s for s in stages if s[0] != "regenerate"], {}, read_recipe(recipe), work)
+
+
+def test_a_dflash_recipe_dumps_trains_and_evaluates_a_block_draft(recipe, tmp_path):
+    """train.draft_arch dflash: the dump's layers become the draft's target layers, eval runs it as dflash; the
+    stages a block draft has no use for are refused before anything runs."""
+    base = yaml.safe_load(recipe.read_text())
+    dflash = {"target": base["target"], "work_dir": str(tmp_path / "work"), "name": "block", "data": base["data"],
+              "dump_hidden_states": {"max_length": 64, "aux_layer_ids": [1, 3]},
+              "train": {"draft_arch": "dflash", "block_size": 4, "num_anchors": 8, "max_steps": 4, "batch_size": 4,
+                        "max_length": 64, "warmup_steps": 2},
+              "eval": base["eval"]}
+    path = tmp_path / "dflash.yaml"
+    for stage in ("calibrate_vocab", "export"):
+        path.write_text(yaml.safe_dump({**dflash, stage: base[stage]}))
+        with pytest.raises(PipelineError, match=f"{stage} with train.draft_arch dflash"):
+            stage_commands(read_recipe(path), path)
+    path.write_text(yaml.safe_dump(dflash))
+    commands = dict(stage_commands(read_recipe(path), path))
+    assert commands["eval"][commands["eval"].index("--speculative-method") + 1] == "dflash"
+    proc = run(path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    own = tmp_path / "work" / "block"
+    config = json.loads((own / "draft" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]  # hidden_states 1 and 3: layers 0 and 2's outputs
+    report = json.loads((own / "eval.json").read_text())
+    assert len(report["overall"]["accepted_per_position"]) == 3  # block 4: three drafts a step

@@ -155,7 +155,7 @@ def tokenizer(n, pad, eos=1, bos=0):
 
 
 def test_the_mask_token_rule():
-    assert choose_mask_token_id(129280, tokenizer(128815, 1)) == 128815  # DeepSeek-V3: the first row past its ids
+    assert choose_mask_token_id(129280, tokenizer(128815, 1)) == 128815  # an embedding padded past the tokenizer
     assert choose_mask_token_id(8192, tokenizer(8192, 2)) == 2  # every row used: the pad token
     assert choose_mask_token_id(8192, tokenizer(8192, 2), override=7) == 7
     with pytest.raises(ValueError, match="--mask-token-id"):

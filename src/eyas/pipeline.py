@@ -133,11 +133,15 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
         out.append(("dump_hidden_states", ["dump-hidden-states", str(train_data), str(work / "hidden_states"),
                                            "--model", target,
                                            *flags("dump_hidden_states", recipe["dump_hidden_states"])]))
+    train_flags = flags("train", recipe.get("train") or {})
+    block_draft = "--draft-arch" in train_flags and train_flags[train_flags.index("--draft-arch") + 1] == "dflash"
+    if block_draft:
+        _check_block_draft_recipe(recipe, recipe_path)
     source = (["--hidden-states", str(work / "hidden_states")] if recipe.get("dump_hidden_states") is not None
               else ["--data", str(train_data)])
     vocab = ["--vocab-file", str(work / "vocab.safetensors")] if recipe.get("calibrate_vocab") is not None else []
     out.append(("train", ["train", "--target", target, *source, *vocab, "--out", str(own), "--resume",
-                          *flags("train", recipe.get("train") or {})]))
+                          *train_flags]))
     draft = str(own / "draft")
     if recipe.get("eval") is not None:
         section = dict(recipe["eval"])
@@ -146,11 +150,23 @@ def stage_commands(recipe: dict, recipe_path: Path) -> list[tuple[str, list[str]
             if Path(target).resolve() != DEFAULT_MODEL.resolve():
                 raise PipelineError(f"{recipe_path}: eval needs `prompts` (a JSONL prompts file) for this target")
             prompts = str(DEFAULT_EVAL_PROMPTS)
-        out.append(("eval", ["eval", str(prompts), "--model", target, "--speculative-method", "eagle",
+        method = "dflash" if block_draft else "eagle"
+        out.append(("eval", ["eval", str(prompts), "--model", target, "--speculative-method", method,
                              "--draft-model", draft, "--out", str(own / "eval.json"), *flags("eval", section)]))
     if recipe.get("export") is not None:
         out += _export_commands(recipe["export"], draft, own, target, commands, recipe_path)
     return out
+
+
+def _check_block_draft_recipe(recipe: dict, recipe_path: Path) -> None:
+    """A DFlash draft drafts over the target's whole vocabulary and is written in z-lab's layout, which vLLM and
+    SGLang load as it is: the stages that would make a vocabulary or convert the draft have nothing to do."""
+    for stage, why in (("calibrate_vocab", "a DFlash draft drafts over the target's whole vocabulary"),
+                       ("export", "NAME/draft is already in z-lab's layout, which vLLM (method dflash) and SGLang "
+                                  "load")):
+        if recipe.get(stage) is not None:
+            raise PipelineError(f"{recipe_path}: {stage} with train.draft_arch dflash: {why}; drop the {stage} "
+                                "section")
 
 
 def _section_flags(stage: str, section: dict, commands: dict[str, argparse.ArgumentParser],
