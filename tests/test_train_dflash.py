@@ -192,3 +192,26 @@ def test_online_and_offline_give_the_same_loss(setup):
 def read_log_of(run, cfg):
     run(cfg)
     return read_log(Path(cfg.out) / "train_log.jsonl")
+
+
+def test_inspect_reads_a_dflash_draft_and_names_what_does_not_fit(setup, tmp_path):
+    """`eyas inspect TARGET DRAFT` recognises a DFlash draft by its config.json and loads it as the engine does: the
+    layers it reads as hidden_states indices, the block; a target layer past the target's depth is a mismatch."""
+    from eyas import load_model
+    from eyas.export import save_dflash_draft
+    from eyas.inspect import inspect_report
+    from eyas.models.dflash import init_dflash_draft, new_dflash_config
+
+    _, target_dir, _ = setup
+    target = load_model(target_dir)
+    draft = init_dflash_draft(target, new_dflash_config(target.config, 2, 4, (0, 2), 2), seed=1)
+    save_dflash_draft(draft, tmp_path / "draft")
+    report = inspect_report(target_dir, tmp_path / "draft")
+    assert report["ok"] and report["method"] == "dflash", report["problems"]
+    assert report["draft"]["read as hidden_states"] == [1, 3]
+    assert report["draft"]["block"].startswith("4 rows")
+    raw = json.loads((tmp_path / "draft" / "config.json").read_text())
+    raw["dflash_config"]["target_layer_ids"] = [0, 9]
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(raw))
+    report = inspect_report(target_dir, tmp_path / "draft")
+    assert not report["ok"] and "target_layer_ids" in report["problems"][0] and "0..3" in report["problems"][0]

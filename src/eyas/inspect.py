@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from eyas.aux_layers import AuxConvention, to_hidden_state_ids
-from eyas.checkpoint import canonical_key, load_draft, load_target_head
+from eyas.checkpoint import canonical_key, load_dflash_draft, load_draft, load_target_head
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, stored_dtype
+from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -34,7 +35,7 @@ from eyas.models.eagle3 import (
 from eyas.paths import DEFAULT_MODEL
 from eyas.weights import CheckpointError
 
-METHODS = ("eagle", "mtp")
+METHODS = ("eagle", "mtp", "dflash")
 
 
 def _rope_text(rope: RopeConfig, max_positions: int) -> str:
@@ -183,6 +184,36 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
     return facts
 
 
+def _block_draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config,
+                       problems: list[str]) -> dict[str, Any]:
+    """A DFlash block draft (z-lab's layout): what it is, loaded against the target as the engine loads it."""
+    raw = read_config_json(draft_dir / "config.json", "a DFlash draft checkpoint directory")
+    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    facts: dict[str, Any] = {"path": str(draft_dir),
+                             "architecture in file": f"{DFLASH_ARCHITECTURE} (model_type {raw.get('model_type')}): "
+                                                     "a DFlash block draft",
+                             "target layers in file": f"dflash_config.target_layer_ids = "
+                                                      f"{dflash.get('target_layer_ids')} (0-based layer outputs)"}
+    try:
+        draft = load_dflash_draft(draft_dir, load_target_head(target_dir, stored_dtype(draft_dir) or torch.float32))
+    except (ConfigError, CheckpointError) as e:
+        problems.append(str(e))
+        return facts
+    c = draft.config
+    own = sum(p.numel() for name, p in draft.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
+    facts.update({
+        "read as hidden_states": list(draft.aux_hidden_state_ids),
+        "block": f"{c.block_size} rows: the anchor and up to {c.block_size - 1} drafts per forward",
+        "layers": f"{c.num_hidden_layers} x Qwen3-style, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
+                  f"heads of {c.head_dim}, MLP {c.intermediate_size}; non-causal within the block",
+        "fusion": f"fc {len(c.target_layer_ids)} x {c.hidden_size} -> {c.hidden_size}",
+        "mask token": f"id {c.mask_token_id}",
+        "rope": _rope_text(c.rope, c.max_position_embeddings),
+        "weights": f"{own / 1e6:.2f}M own (embedding and lm_head: the target's)",
+    })
+    return facts
+
+
 def _file_facts(draft_dir: Path, raw: dict, field: str, file_ids: Any, readings: dict) -> dict[str, Any]:
     """What the draft's config.json says, before anything is loaded."""
     model_type = raw.get("model_type") or (raw.get("transformer_layer_config") or {}).get("model_type")
@@ -282,10 +313,23 @@ def inspect_report(target_dir: str | Path, draft_dir: str | Path | None = None, 
         if draft_dir is not None:
             problems.append("speculative method 'mtp' drafts with the target's own NextN layer and takes no draft; "
                             "use --speculative-method eagle to check a draft")
+    elif draft_dir is not None and (method == "dflash" or _names_dflash(Path(draft_dir))):
+        report["method"] = "dflash"
+        report["draft"] = _block_draft_facts(Path(draft_dir), target_dir, config, problems)
     elif draft_dir is not None:
         report["draft"] = _draft_facts(Path(draft_dir), target_dir, config, aux_convention, problems, warnings)
     report.update(problems=problems, warnings=warnings, ok=not problems)
     return report
+
+
+def _names_dflash(draft_dir: Path) -> bool:
+    """Whether a draft's config.json names the DFlash architecture (then it is checked as one, as the engine runs
+    it without --speculative-method)."""
+    try:
+        raw = read_config_json(draft_dir / "config.json", "a draft checkpoint directory")
+    except ValueError:
+        return False
+    return DFLASH_ARCHITECTURE in (raw.get("architectures") or [])
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -339,9 +383,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "Exit 0 when the pair fits, 1 on a mismatch, 2 when an input cannot be read.")
     p.add_argument("target", nargs="?", type=Path, default=DEFAULT_MODEL, metavar="TARGET",
                    help="target checkpoint directory (default: the bundled tiny DeepSeek-V3)")
-    p.add_argument("draft", nargs="?", type=Path, metavar="DRAFT", help="EAGLE-3 draft directory (any layout)")
+    p.add_argument("draft", nargs="?", type=Path, metavar="DRAFT", help="draft directory: EAGLE-3 (any layout) or "
+                   "DFlash (z-lab's layout, detected from its config.json)")
     p.add_argument("--speculative-method", choices=list(METHODS), default="eagle",
-                   help="eagle: check DRAFT against TARGET; mtp: check the target's own NextN layer")
+                   help="eagle: check DRAFT against TARGET; mtp: check the target's own NextN layer; dflash: check "
+                   "DRAFT as a DFlash block draft")
     p.add_argument("--aux-layer-convention", choices=[c.value for c in AuxConvention],
                    help="read the draft's aux ids as hidden_states (vLLM/SGLang/MAX) or layer_output (Model "
                    "Optimizer, one lower); default: detected from the draft's config")
