@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import make_tokenized_target
 
 from eyas.cli import main, parse_args
 from eyas.client import ServerClient, ServerError
@@ -117,8 +117,7 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("server_states")
     target_dir = root / "target"
-    make_hf_checkpoint(target_dir, vocab_size=8192)
-    copy_tokenizer(target_dir)
+    make_tokenized_target(target_dir)
     records = [{"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
                              {"role": "assistant", "content": f"    return a + b + {i}\n"}]} for i in range(7)]
     data = root / "data.jsonl"

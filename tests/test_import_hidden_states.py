@@ -17,7 +17,7 @@ import zipfile
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import make_tokenized_target
 
 from eyas.cli import main, parse_args
 from eyas.train.batches import collate, target_features
@@ -37,8 +37,7 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("import")
     target_dir = root / "target"
-    make_hf_checkpoint(target_dir, vocab_size=8192)
-    copy_tokenizer(target_dir)
+    make_tokenized_target(target_dir)
     records = []
     for i in range(6):
         records.append({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},

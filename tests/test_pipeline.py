@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from tiny import copy_tokenizer, make_hf_checkpoint, reply, stand_in
+from tiny import make_tokenized_target, reply, stand_in
 
 from eyas.pipeline import PipelineError, read_recipe, stage_commands
 
@@ -19,8 +19,7 @@ from eyas.pipeline import PipelineError, read_recipe, stage_commands
 def recipe(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     target = root / "target"
-    make_hf_checkpoint(target, vocab_size=8192)
-    copy_tokenizer(target)
+    make_tokenized_target(target)
     data = root / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
                                                      {"role": "assistant", "content": "    return a + b\n"}]}) + "\n"

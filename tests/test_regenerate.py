@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from tiny import copy_tokenizer, make_hf_checkpoint, running
+from tiny import make_tokenized_target, running
 
 from eyas import LLM, SamplingParams
 from eyas.cli import main as cli
@@ -21,8 +21,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("target")
-    make_hf_checkpoint(path, vocab_size=8192)
-    copy_tokenizer(path)
+    make_tokenized_target(path)
     return path
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import make_tokenized_target
 
 from eyas.train.config import TrainConfig
 from eyas.train.trainer import train
@@ -19,8 +19,7 @@ from eyas.train.trainer import train
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     target = root / "target"
-    make_hf_checkpoint(target, vocab_size=8192)
-    copy_tokenizer(target)
+    make_tokenized_target(target)
     data = root / "data.jsonl"
     lines = []
     for i in range(24):

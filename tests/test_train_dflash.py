@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import copy_tokenizer, make_hf_checkpoint
+from tiny import make_tokenized_target
 
 from eyas.train.config import TrainConfig
 from eyas.train.dflash import choose_mask_token_id
@@ -22,8 +22,7 @@ from eyas.train.trainer import train
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-dflash")
     target = root / "target"
-    make_hf_checkpoint(target, vocab_size=8192)
-    copy_tokenizer(target)
+    make_tokenized_target(target)
     data = root / "data.jsonl"
     lines = [{"messages": [{"role": "user", "content": f"def add_{i}(a, b):"},
                            {"role": "assistant", "content": f"    return a + b + {i}\n" * 3}]} for i in range(24)]

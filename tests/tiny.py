@@ -63,6 +63,14 @@ def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
+def make_tokenized_target(path: Path) -> Path:
+    """A random tiny target with the shipped tokenizer (vocab 8,192, as the tokenizer's): what training, dumps,
+    regeneration and the pipeline read."""
+    make_hf_checkpoint(path, vocab_size=8192)
+    copy_tokenizer(path)
+    return path
+
+
 def copy_tokenizer(path: Path) -> None:
     """The shipped tokenizer (and its chat template) into checkpoint directory `path`."""
     import shutil
