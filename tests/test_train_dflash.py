@@ -194,10 +194,11 @@ def read_log_of(run, cfg):
 
 
 def test_inspect_reads_a_dflash_draft_and_names_what_does_not_fit(setup, tmp_path):
-    """`eyas inspect TARGET DRAFT` recognises a DFlash draft by its config.json and loads it as the engine does: the
-    layers it reads as hidden_states indices, the block; a target layer past the target's depth is a mismatch."""
+    """`eyas export` has nothing to convert; `eyas inspect TARGET DRAFT` recognises a DFlash draft by its
+    config.json and loads it as the engine does: the layers it reads as hidden_states indices, the block; a target
+    layer past the target's depth is a mismatch."""
     from eyas import load_model
-    from eyas.export import save_dflash_draft
+    from eyas.export import export_draft, save_dflash_draft
     from eyas.inspect import inspect_report
     from eyas.models.dflash import init_dflash_draft, new_dflash_config
 
@@ -207,6 +208,9 @@ def test_inspect_reads_a_dflash_draft_and_names_what_does_not_fit(setup, tmp_pat
     save_dflash_draft(draft, tmp_path / "draft")
     report = inspect_report(target_dir, tmp_path / "draft")
     assert report["ok"] and report["method"] == "dflash", report["problems"]
+    with pytest.raises(ValueError, match="is a DFlash block draft .* eyas export converts EAGLE-3 drafts only"):
+        export_draft(tmp_path / "draft", tmp_path / "exported", "vllm", target_dir)
+    assert not (tmp_path / "exported").exists()
     assert report["draft"]["read as hidden_states"] == [1, 3]
     assert report["draft"]["block"].startswith("4 rows")
     raw = json.loads((tmp_path / "draft" / "config.json").read_text())

@@ -41,6 +41,7 @@ from torch import nn
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
 from eyas.checkpoint import load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
+from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
 from eyas.models.dflash import DFlashDraft
 from eyas.models.eagle3 import (
@@ -333,6 +334,18 @@ def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Modul
     return load_target_head(target, stored_dtype(draft_dir) or torch.float32)
 
 
+def _refuse_a_block_draft(src_dir: Path) -> None:
+    """A DFlash draft has one layout, z-lab's, which every engine that runs DFlash loads: nothing to convert."""
+    try:
+        raw = json.loads((src_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # load_draft names what is wrong with the directory
+    if isinstance(raw, dict) and DFLASH_ARCHITECTURE in (raw.get("architectures") or []):
+        raise ValueError(f"{src_dir} is a DFlash block draft ({DFLASH_ARCHITECTURE}), in z-lab's layout, which vLLM "
+                         "(speculative method dflash), SGLang (--speculative-algorithm DFLASH) and eyas load as it "
+                         "is; eyas export converts EAGLE-3 drafts only")
+
+
 def export_draft(src_dir: str | Path, out_dir: str | Path, fmt: str, target: nn.Module | str | Path,
                  rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
                  aux_convention: str | None = None, allow_unused_weights: bool = False,
@@ -342,6 +355,7 @@ def export_draft(src_dir: str | Path, out_dir: str | Path, fmt: str, target: nn.
     dtype the source file stores."""
     src_dir = Path(src_dir)
     _format(fmt)
+    _refuse_a_block_draft(src_dir)
     draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention, allow_unused_weights)
     verifier = None
     if not isinstance(target, nn.Module):
