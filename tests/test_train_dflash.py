@@ -126,6 +126,31 @@ def test_two_process_data_parallel_equals_one_process(setup):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4, abs=2e-4)
 
 
+def test_fsdp_two_processes_equal_one_process_and_resume_plainly(setup):
+    """--fsdp shards the block draft's own weights (never the target's embedding and lm_head); its checkpoint is a
+    plain one: the sharded run's steps equal one process's, and one plain process resumes it to the same end."""
+    root, target, data = setup
+    args = ["train", "--draft-arch", "dflash", "--target", str(target), "--data", str(data), "--block-size", "4",
+            "--num-anchors", "8", "--batch-size", "4", "--max-length", "64", "--lr", "3e-3", "--warmup-steps", "2",
+            "--num-draft-layers", "2", "--aux-layer-ids", "1", "3"]
+    one = subprocess.run([sys.executable, "-m", "eyas.cli", *args, "--max-steps", "4", "--out", str(root / "fsdp-one")],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = shutil.which("torchrun") or "torchrun"
+    two = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "eyas.cli", *args, "--fsdp",
+                          "--max-steps", "2", "--out", str(root / "fsdp-two")],
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    rest = subprocess.run([sys.executable, "-m", "eyas.cli", *args, "--max-steps", "4", "--resume", "--out",
+                           str(root / "fsdp-two")], capture_output=True, text=True, timeout=300)
+    assert rest.returncode == 0, rest.stderr[-2000:]
+    a, b = read_log(root / "fsdp-one" / "train_log.jsonl"), read_log(root / "fsdp-two" / "train_log.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["acc_per_step"] == x["acc_per_step"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4, abs=2e-4)
+
+
 @pytest.mark.parametrize("setting, flag", [({"fc_norm": True}, "--fc-norm"), ({"ttt_steps": 5}, "--ttt-steps"),
                                           ({"loss": "lk-alpha"}, "--loss"),
                                           ({"draft_vocab_size": 2048}, "--draft-vocab-size"),
@@ -140,8 +165,9 @@ def test_dflash_settings_are_checked(setup):
         config(setup, "refused", block_loss="kl")
     with pytest.raises(ValueError, match="--block-size must be in 2..64"):
         config(setup, "refused", block_size=1)
-    with pytest.raises(ValueError, match="--fsdp shards EAGLE-3 drafts only"):
-        config(setup, "refused", fsdp=True)
+    with pytest.raises(ValueError, match="a target with 4 layers has no 2 distinct default target layers .* pass "
+                                         "--aux-layer-ids"):
+        train(config(setup, "refused", num_draft_layers=2))
 
 
 class Tokenizer(SimpleNamespace):

@@ -95,6 +95,10 @@ def load_training_data(cfg: TrainConfig, target: nn.Module) -> TrainingData:
 
     if cfg.draft_arch == "dflash" and not cfg.aux_layer_ids:  # z-lab's rule: one target layer per draft layer
         aux_ids = tuple(i + 1 for i in default_target_layer_ids(L, cfg.num_draft_layers))
+        if len(set(aux_ids)) != len(aux_ids):
+            raise ValueError(f"a target with {L} layers has no {cfg.num_draft_layers} distinct default target layers "
+                             f"for a {cfg.num_draft_layers}-layer DFlash draft (got hidden_states {list(aux_ids)}); "
+                             "pass --aux-layer-ids")
     else:
         aux_ids = to_hidden_state_ids(cfg.aux_layer_ids or list(default_aux_layer_ids(L)),
                                       AuxConvention(cfg.aux_layer_convention), L)

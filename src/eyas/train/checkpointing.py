@@ -162,8 +162,8 @@ def save_checkpoint(run_dir: RunDir, draft: Eagle3Draft | DFlashDraft, optimizer
         save_draft(draft, run_dir.draft, fmt="eyas")
 
 
-def save_sharded_checkpoint(run_dir: RunDir, draft: Eagle3Draft, optimizer: torch.optim.Optimizer, step: int,
-                            cfg: TrainConfig, names: tuple[str, ...], rank: int) -> None:
+def save_sharded_checkpoint(run_dir: RunDir, draft: Eagle3Draft | DFlashDraft, optimizer: torch.optim.Optimizer,
+                            step: int, cfg: TrainConfig, names: tuple[str, ...], rank: int) -> None:
     """save_checkpoint for a sharded draft; every rank must call it. The shards are gathered to rank 0 as whole CPU
     tensors and written in exactly an unsharded run's form, so --resume works with or without --fsdp, at any world
     size, and OUT/draft is the whole draft."""
@@ -178,10 +178,13 @@ def save_sharded_checkpoint(run_dir: RunDir, draft: Eagle3Draft, optimizer: torc
         return
     # a plain draft to export: built on the meta device (no memory, no draw on the global RNG), then every tensor of
     # its own is assigned from the gathered state; the embedding stays the target's module
+    block = isinstance(draft, DFlashDraft)
     with torch.device("meta"):
-        plain = Eagle3Draft(draft.config, draft.embed_tokens)
-    own = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens")}
-    assign_weights(plain, own, "the gathered draft", "cpu", shared={"embed_tokens.weight"})
+        plain = DFlashDraft(draft.config, draft.embed_tokens, draft.lm_head) if block else \
+            Eagle3Draft(draft.config, draft.embed_tokens)
+    shared = SHARED_WEIGHTS if block else ("embed_tokens.weight",)
+    own = {k: v for k, v in model_state.items() if k not in shared}
+    assign_weights(plain, own, "the gathered draft", "cpu", shared=set(shared))
     save_checkpoint(run_dir, plain, _renumber(optimizer_state, {name: i for i, name in enumerate(names)}), step, cfg)
 
 

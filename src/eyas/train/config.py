@@ -135,9 +135,6 @@ class TrainConfig:
             flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
             raise ValueError(f"{flags}: EAGLE-3 settings, which a DFlash draft does not have (it drafts over the "
                              "target's whole vocabulary through the target's own lm_head, one block per forward)")
-        if self.fsdp:
-            raise ValueError("--fsdp shards EAGLE-3 drafts only; train a DFlash draft with plain data parallel "
-                             "(torchrun without --fsdp)")
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The context the draft's loss runs in: bfloat16 matmuls (float32 weights) or plain float32."""

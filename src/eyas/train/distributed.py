@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from eyas.models.dflash import DFlashDraft
+from eyas.train.dflash import BlockObjective
 from eyas.train.ttt import TTTLoss
 
 
@@ -74,20 +76,25 @@ def sum_gradients(params: Iterable[torch.Tensor], world: int) -> None:
             dist.all_reduce(p.grad)
 
 
-def shard_draft(loss_fn: TTTLoss, world: int) -> None:
-    """FSDP2 over the draft's own weights, in place. fc, the MLP and lm_head (the large matrices, each called
-    through its forward) are units of their own, gathered around each call only; the rest of the layer (attention,
-    norms) is gathered by the root unit for the whole step. The embedding is the target's own module, run by the
-    target's forward too: it stays whole."""
+def shard_draft(loss_fn: TTTLoss | BlockObjective, world: int) -> None:
+    """FSDP2 over the draft's own weights, in place. fc, the MLPs and an EAGLE-3 draft's lm_head (the large
+    matrices, each called through its forward) are units of their own, gathered around each call only; the rest of
+    the layers (attention, norms) is gathered by the root unit for the whole step. The embedding (and a DFlash draft's
+    lm_head) is the target's own module, run by the target's forward too: it stays whole."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     draft = loss_fn.draft
     mesh = init_device_mesh(draft.fc.weight.device.type, (world,))
-    units = [draft.fc, draft.layers[0].mlp, draft.lm_head]
+    shared = [draft.embed_tokens]
+    units = [draft.fc, *(layer.mlp for layer in draft.layers)]
+    if isinstance(draft, DFlashDraft):
+        shared.append(draft.lm_head)
+    else:
+        units.append(draft.lm_head)
     for module in units:
         fully_shard(module, mesh=mesh)
-    fully_shard(loss_fn, mesh=mesh, ignored_params=set(draft.embed_tokens.parameters()))
+    fully_shard(loss_fn, mesh=mesh, ignored_params={p for module in shared for p in module.parameters()})
     for module in [*units, loss_fn]:
         module.set_gradient_divide_factor(1.0)  # summed, as the module docstring says
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
