@@ -261,3 +261,70 @@ def test_block_loss_matches_the_reference_and_weights_carry_no_gradient(loss):
                                      reduction="none").view(5, 3)).sum() / w.sum()
     surrogate.backward()
     torch.testing.assert_close(grad, logits.grad)
+
+
+@pytest.mark.parametrize("loss", ["ce", "dpace"])
+def test_soft_labels_match_the_reference(loss):
+    """Against the target's distribution: each row's cross-entropy is -sum p log q, D-PACE's acceptance proxy
+    stays the draft's probability of the label; one-hot targets give the hard loss exactly."""
+    import math
+
+    from eyas.train.dflash import block_loss_terms
+
+    torch.manual_seed(5)
+    logits = torch.randn(5, 4, 7)
+    labels = torch.randint(0, 7, (5, 4))
+    valid = torch.rand(5, 4) > 0.25
+    valid[:, 0] = False
+    taught = valid[:, 1:]
+    soft = torch.softmax(torch.randn(int(taught.sum()), 7), -1)
+    terms = block_loss_terms(logits, labels, valid, loss, 3.0, 0.3, soft)
+    num = den = 0.0
+    it = iter(soft)
+    for b in range(5):
+        reach, rows = 1.0, []
+        for k in range(1, 4):
+            if not valid[b, k]:
+                rows.append((None, 0.0))
+                continue
+            logq = logits[b, k].double().log_softmax(-1)
+            reach *= 0.7 * math.exp(float(logq[labels[b, k]])) + 0.3
+            rows.append((-float((next(it).double() * logq).sum()), reach))
+        tails = [sum(r for _, r in rows[j:]) for j in range(3)]
+        for j, (ce, _) in enumerate(rows):
+            if ce is not None:
+                w = tails[j] if loss == "dpace" else math.exp(-j / 3.0)
+                num, den = num + w * ce, den + w
+    assert (terms.weighted_sum / terms.weight_sum).item() == pytest.approx(num / den, rel=1e-5)
+    one_hot = F.one_hot(labels[:, 1:][taught], 7).float()
+    hard, as_soft = block_loss_terms(logits, labels, valid, loss), block_loss_terms(logits, labels, valid, loss,
+                                                                                    soft_targets=one_hot)
+    torch.testing.assert_close(as_soft.weighted_sum, hard.weighted_sum)
+
+
+def test_soft_labels_read_the_targets_logits_at_the_position_before_each_row():
+    """BlockObjective's soft targets come from the target's logits at read_positions, row-major: with the target
+    sure of the data's next token everywhere, soft labels teach exactly what hard labels do (an off-by-one in the
+    gather would teach another token and differ)."""
+    from eyas.train.dflash import BlockObjective
+    from eyas.train.ttt import read_positions
+
+    draft = make_draft(2)
+    torch.manual_seed(3)
+    B, T = 2, 12
+    input_ids = torch.randint(0, V, (B, T))
+    loss_mask = torch.zeros(B, T)
+    loss_mask[0, 3:] = 1
+    loss_mask[1, 5:10] = 1
+    n = len(draft.config.target_layer_ids)
+    aux = torch.randn(B, T, n, H)
+    read = read_positions(loss_mask)
+    next_tokens = torch.roll(input_ids, -1, dims=1)[read]
+    target_logits = 60.0 * F.one_hot(next_tokens, V).float()
+    terms = {}
+    for soft in (False, True):
+        objective = BlockObjective(draft, "dpace", 7.0, 0.5, num_anchors=4, soft_labels=soft)
+        generators = [torch.Generator().manual_seed(i) for i in range(B)]
+        terms[soft] = objective(input_ids, loss_mask, aux, generators, target_logits if soft else None)
+    torch.testing.assert_close(terms[True].weighted_sum, terms[False].weighted_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(terms[True].ce_per_row, terms[False].ce_per_row, rtol=1e-5, atol=1e-5)

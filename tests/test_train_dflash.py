@@ -163,6 +163,8 @@ def test_eagle3_settings_are_refused_by_name(setup, setting, flag):
 def test_dflash_settings_are_checked(setup):
     with pytest.raises(ValueError, match="--block-loss is 'kl'"):
         config(setup, "refused", block_loss="kl")
+    with pytest.raises(ValueError, match="--block-labels is 'target'"):
+        config(setup, "refused", block_labels="target")
     with pytest.raises(ValueError, match="--block-size must be in 2..64"):
         config(setup, "refused", block_size=1)
     with pytest.raises(ValueError, match="a target with 4 layers has no 2 distinct default target layers .* pass "
@@ -191,9 +193,11 @@ def test_the_mask_token_rule():
         choose_mask_token_id(8192, tokenizer(8192, 2), override=8192)
 
 
-def test_online_and_offline_give_the_same_loss(setup):
+@pytest.mark.parametrize("labels", ["hard", "soft"])
+def test_online_and_offline_give_the_same_loss(setup, labels):
     """From a dump of the target layer the draft reads (hidden_states index 3: layer 2's output), the run is the
-    online run: the same anchors, blocks and losses."""
+    online run: the same anchors, blocks and losses; with soft labels the target's distribution comes from the
+    dump's last hidden state through the target's head, as online from its forward."""
     from eyas import load_model
     from eyas.engine.llm import load_tokenizer
     from eyas.train.data import load_dataset
@@ -203,11 +207,13 @@ def test_online_and_offline_give_the_same_loss(setup):
     target = load_model(target_dir)
     examples = load_dataset(data, load_tokenizer(target_dir), 64)
     dump = root / "dump"
-    dump_hidden_states(target, examples, dump, (3,), examples_per_shard=16, dtype=torch.float32, batch_size=1,
-                       target_path=target_dir)
-    online = read_log_of(train, config(setup, "online", max_steps=3))
-    offline = read_log_of(train, config(setup, "offline", data=None, hidden_states=str(dump), max_steps=3))
-    assert json.loads((root / "offline" / "draft" / "config.json").read_text())["dflash_config"][
+    if not (dump / "manifest.json").exists():
+        dump_hidden_states(target, examples, dump, (3,), examples_per_shard=16, dtype=torch.float32, batch_size=1,
+                           target_path=target_dir)
+    online = read_log_of(train, config(setup, f"online-{labels}", max_steps=3, block_labels=labels))
+    offline = read_log_of(train, config(setup, f"offline-{labels}", data=None, hidden_states=str(dump), max_steps=3,
+                                        block_labels=labels))
+    assert json.loads((root / f"offline-{labels}" / "draft" / "config.json").read_text())["dflash_config"][
         "target_layer_ids"] == [2]
     for a, b in zip(online, offline):
         assert b["loss_per_step"] == pytest.approx(a["loss_per_step"], rel=1e-5, abs=1e-6)

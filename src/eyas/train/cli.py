@@ -12,7 +12,7 @@ from eyas.paths import DEFAULT_DATA, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 from eyas.train.batches import PREFETCH_STEPS
 from eyas.train.checkpointing import RunDir
-from eyas.train.config import BLOCK_LOSSES, DRAFT_ARCHS, REPORTERS, TrainConfig
+from eyas.train.config import BLOCK_LABELS, BLOCK_LOSSES, DRAFT_ARCHS, REPORTERS, TrainConfig
 from eyas.train.ttt import LOSSES
 
 
@@ -110,6 +110,9 @@ def _add_block_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
     g.add_argument("--block-loss", choices=BLOCK_LOSSES, default=d["block_loss"], help="dpace: rows weighted by "
                    "the accepted runs that would reach them (speculators' and Model Optimizer's default); ce: "
                    "cross-entropy with weight exp(-(k-1)/gamma) at row k (the DFlash paper's)")
+    g.add_argument("--block-labels", choices=BLOCK_LABELS, default=d["block_labels"], help="hard: each row is "
+                   "taught the data's token; soft: the target's distribution for it (its logits at the position "
+                   "before, as EAGLE-3's loss reads them)")
     g.add_argument("--block-loss-gamma", type=float, default=d["block_loss_gamma"], help="ce's decay gamma")
     g.add_argument("--block-loss-alpha", type=float, default=d["block_loss_alpha"], help="dpace's floor alpha")
     g.add_argument("--mask-token-id", type=int, help="the embedding row the block's masked rows read (default: "

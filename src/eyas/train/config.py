@@ -13,6 +13,7 @@ from eyas.train.ttt import LossKind
 REPORTERS = ("tensorboard", "wandb")
 DRAFT_ARCHS = ("mla", "mha", "dflash")  # EAGLE-3 drafts (MLA- or Llama-shaped) and DFlash block drafts
 BLOCK_LOSSES = ("dpace", "ce")  # eyas.train.dflash
+BLOCK_LABELS = ("hard", "soft")
 # the EAGLE-3 settings a DFlash run does not read: set to anything but their default, they are an error
 EAGLE_ONLY = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "freeze_lm_head", "vocab_file")
 
@@ -82,6 +83,7 @@ class TrainConfig:
     block_size: int = 8
     num_anchors: int = 32
     block_loss: str = "dpace"
+    block_labels: str = "hard"  # hard: the data's next tokens; soft: the target's distribution over them
     block_loss_gamma: float = 7.0
     block_loss_alpha: float = 0.5
     mask_token_id: int | None = None
@@ -122,6 +124,8 @@ class TrainConfig:
         """A DFlash run: its own settings in range, and no EAGLE-3 setting it would silently ignore."""
         if self.block_loss not in BLOCK_LOSSES:
             raise ValueError(f"--block-loss is {self.block_loss!r}; expected one of {', '.join(BLOCK_LOSSES)}")
+        if self.block_labels not in BLOCK_LABELS:
+            raise ValueError(f"--block-labels is {self.block_labels!r}; expected one of {', '.join(BLOCK_LABELS)}")
         if not 2 <= self.block_size <= 64 or self.num_draft_layers < 1 or self.num_anchors < 1:
             raise ValueError("--block-size must be in 2..64, --num-draft-layers and --num-anchors positive")
         if self.block_loss_gamma <= 0 or not 0 <= self.block_loss_alpha <= 1:

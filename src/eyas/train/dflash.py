@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.models.dflash import DFlashDraft, block_attention_mask
+from eyas.train.ttt import read_positions
 
 LOSSES = ("ce", "dpace")
 
@@ -82,20 +83,30 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
 
 
 def block_loss_terms(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, loss: str = "ce",
-                     gamma: float = 7.0, alpha: float = 0.5) -> BlockLossTerms:
+                     gamma: float = 7.0, alpha: float = 0.5, soft_targets: torch.Tensor | None = None
+                     ) -> BlockLossTerms:
     """block_loss as sums, so that ranks can add them up before dividing (the loss is weighted_sum / weight_sum
-    over the global batch); per row 1..B-1 also the cross-entropy sum, the supervised rows and the top-1 hits."""
+    over the global batch); per row 1..B-1 also the cross-entropy sum, the supervised rows and the top-1 hits.
+
+    `soft_targets` [n, V]: the target's distribution for each supervised row (rows 1.. of `valid`, row-major);
+    the cross-entropy is then against it instead of the label, and D-PACE's acceptance proxy q stays the draft's
+    probability of the label (which the target's greedy answers make its argmax)."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}")
     bs = logits.shape[-2]
     logits, labels, valid = logits[..., 1:, :], labels[..., 1:], valid[..., 1:]
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
-    ce = ce * valid
+    hard = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+    hard = hard * valid
+    ce = hard
+    if soft_targets is not None:
+        ce = torch.zeros_like(hard)
+        log_q = F.log_softmax(logits[valid].float(), dim=-1)
+        ce[valid] = -(soft_targets.float() * log_q).sum(-1)
     if loss == "ce":
         weight = torch.exp(-torch.arange(bs - 1, device=ce.device, dtype=ce.dtype) / gamma).expand_as(ce)
     else:
         with torch.no_grad():
-            kept = ((1 - alpha) * torch.exp(-ce) + alpha).masked_fill(~valid, 1.0)
+            kept = ((1 - alpha) * torch.exp(-hard) + alpha).masked_fill(~valid, 1.0)
             reach = torch.cumprod(kept, dim=-1) * valid  # C_j, over the rows that count
             weight = reach.flip(-1).cumsum(-1).flip(-1)  # w_j = sum over m >= j of C_m
     weight = weight * valid
@@ -138,14 +149,17 @@ class BlockObjective(nn.Module):
     in one draft forward over the sequence's context (the target's states, computed once), the block loss's terms.
     A module around the draft, as TTTLoss is, so a wrapper (DDP, FSDP) sees one forward."""
 
-    def __init__(self, draft: DFlashDraft, loss: str, gamma: float, alpha: float, num_anchors: int) -> None:
+    def __init__(self, draft: DFlashDraft, loss: str, gamma: float, alpha: float, num_anchors: int,
+                 soft_labels: bool = False) -> None:
         super().__init__()
         self.draft, self.loss, self.gamma, self.alpha, self.num_anchors = draft, loss, gamma, alpha, num_anchors
+        self.soft_labels = soft_labels  # taught the target's distribution (its logits at read_positions)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-                generators: list[torch.Generator]) -> BlockLossTerms:
+                generators: list[torch.Generator], target_logits: torch.Tensor | None = None) -> BlockLossTerms:
         """input_ids, loss_mask [B, T]; aux [B, T, n, H] (the target's states at the draft's target layers, in
-        order); one generator per sequence, which draws its anchors."""
+        order); one generator per sequence, which draws its anchors; with soft labels, the target's logits at
+        `read_positions(loss_mask)` [R, V] (row-major)."""
         draft, B, T = self.draft, *input_ids.shape
         bs = draft.block_size
         anchors = [sample_anchors(loss_mask[b].cpu(), self.num_anchors, generators[b]).to(input_ids.device)
@@ -159,5 +173,14 @@ class BlockObjective(nn.Module):
         rows = blocks.valid.flatten(1)  # the head runs at the taught rows only: it is the widest matmul
         logits = hidden.new_zeros(B, A * bs, draft.config.vocab_size)
         logits[rows] = draft.compute_logits(hidden[rows].to(draft.lm_head.weight.dtype)).to(logits.dtype)
+        soft = None
+        if self.soft_labels:  # the distribution for the token at position p is the target's at p - 1
+            read = read_positions(loss_mask)
+            row_of = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
+            row_of[read] = torch.arange(int(read.sum()), device=input_ids.device)
+            before = (blocks.positions.view(B, A, bs)[..., 1:] - 1).clamp(0, T - 1)  # past the end: not taught
+            taught = blocks.valid[..., 1:]
+            rows_read = torch.gather(row_of, 1, before.flatten(1)).view(B, A, bs - 1)[taught]
+            soft = F.softmax(target_logits[rows_read].float(), dim=-1)
         return block_loss_terms(logits.view(B, A, bs, -1), blocks.labels, blocks.valid, self.loss, self.gamma,
-                                self.alpha)
+                                self.alpha, soft)

@@ -100,7 +100,8 @@ def setup(cfg: TrainConfig, resume: bool) -> Run:
         raise ValueError(f"{len(data.examples)} training examples are fewer than one batch of {cfg.batch_size}")
     if cfg.draft_arch == "dflash":
         draft = _new_block_draft(cfg, target, data)
-        loss_fn = BlockObjective(draft, cfg.block_loss, cfg.block_loss_gamma, cfg.block_loss_alpha, cfg.num_anchors)
+        loss_fn = BlockObjective(draft, cfg.block_loss, cfg.block_loss_gamma, cfg.block_loss_alpha, cfg.num_anchors,
+                                 soft_labels=cfg.block_labels == "soft")
     else:
         draft = _new_draft(cfg, target, data, rank)
         loss_fn = TTTLoss(draft)
@@ -247,11 +248,14 @@ def block_step(run: Run, batch: dict[str, torch.Tensor]) -> dict:
     data), so that any split over ranks draws the anchors one process would; the loss is the global batch's
     weighted sum over its global weight."""
     cfg, step = run.cfg, run.step
-    aux, _ = target_hidden_states(run.target, batch, run.data.aux_ids)
+    if cfg.block_labels == "soft":
+        aux, target_logits = target_features(run.target, batch, run.data.aux_ids, run.data.last_hidden_post_norm)
+    else:
+        (aux, _), target_logits = target_hidden_states(run.target, batch, run.data.aux_ids), None
     generators = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 100_003 + i)
                   for i in run.batches.indices(step)]
     with cfg.autocast(run.device):
-        terms = run.loss_fn(batch["input_ids"], batch["loss_mask"], aux, generators)
+        terms = run.loss_fn(batch["input_ids"], batch["loss_mask"], aux, generators, target_logits)
     weight = all_reduce_sum(terms.weight_sum, run.world)
     grad_norm = _optimize(run, terms.weighted_sum / weight.clamp(min=1e-12))
     ce_per_row, rows, correct = all_reduce_sum(torch.stack([terms.ce_per_row, terms.rows, terms.correct]), run.world)
