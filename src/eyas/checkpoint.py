@@ -239,7 +239,7 @@ def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: 
     shared_lm_head = target.lm_head if lm_head_note != "own" else None
     with torch.device("meta"):
         draft = Eagle3Draft(config, target.model.embed_tokens, shared_lm_head)
-    shared = {"embed_tokens.weight"} | ({"lm_head.weight"} if shared_lm_head is not None else set())
+    shared = set(draft.shared_weights)
     layout = ", ".join(layouts) or "unknown"
     ignored = assign_weights(draft, tensors, path, weight.device, shared=shared, allow_unused=allow_unused_weights,
                              describe_missing=partial(_missing_draft_weights, config, layout, arch_name),

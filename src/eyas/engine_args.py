@@ -17,9 +17,9 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from eyas.config import DEFAULT_NUM_SPECULATIVE_TOKENS, REJECTION_STRATEGIES, SpeculativeConfig, read_config_json
+from eyas.config import DEFAULT_NUM_SPECULATIVE_TOKENS, REJECTION_STRATEGIES, SpeculativeConfig
 from eyas.engine.llm import LLM
-from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from eyas.models.dflash import read_dflash_config
 from eyas.paths import DEFAULT_DRAFT, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 
@@ -112,7 +112,7 @@ class EngineArgs:
         method, draft = self.speculative_method, self.draft_model
         if method is None:
             if draft is not None:
-                method = "dflash" if _dflash_config(draft) is not None else "eagle"
+                method = "dflash" if read_dflash_config(draft) is not None else "eagle"
             elif Path(self.model).resolve() == DEFAULT_MODEL.resolve() and DEFAULT_DRAFT.is_dir():
                 method, draft = "eagle", DEFAULT_DRAFT
             else:
@@ -125,7 +125,7 @@ class EngineArgs:
             return None
         num_tokens = self.num_speculative_tokens
         if method == "dflash" and num_tokens is None:  # the block's drafts (a bad block_size fails on loading)
-            block_size = (_dflash_config(draft) or {}).get("block_size")
+            block_size = (read_dflash_config(draft) or {}).get("block_size")
             num_tokens = block_size - 1 if isinstance(block_size, int) and block_size >= 2 else None
         # unset: on CPU, where a verify step of K + 1 rows per sequence is compute-bound well before a GPU's would be,
         # drafting stops from CPU_DISABLE_BATCH_SIZE running sequences; on GPUs it stays on
@@ -149,17 +149,6 @@ class EngineArgs:
         return LLM(self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                    max_model_len=self.max_model_len, kv_cache_memory_gb=self.kv_cache_memory,
                    speculative_config=self.speculative_config(), threads=self.threads)
-
-
-def _dflash_config(draft: Path) -> dict | None:
-    """A DFlash draft directory's config.json; None for any other draft (or for none readable: loading the draft
-    then says what is wrong)."""
-    try:
-        raw = read_config_json(Path(draft) / "config.json", "a draft checkpoint directory")
-    except ValueError:
-        return None
-    names = raw.get("architectures")
-    return raw if isinstance(names, list) and DFLASH_ARCHITECTURE in names else None
 
 
 def _per_batch_size_rules(text: str | None) -> list:

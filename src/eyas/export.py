@@ -43,7 +43,7 @@ from eyas.checkpoint import load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
-from eyas.models.dflash import DFlashDraft
+from eyas.models.dflash import DFlashDraft, read_dflash_config
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -336,11 +336,7 @@ def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Modul
 
 def _refuse_a_block_draft(src_dir: Path) -> None:
     """A DFlash draft has one layout, z-lab's, which every engine that runs DFlash loads: nothing to convert."""
-    try:
-        raw = json.loads((src_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # load_draft names what is wrong with the directory
-    if isinstance(raw, dict) and DFLASH_ARCHITECTURE in (raw.get("architectures") or []):
+    if read_dflash_config(src_dir) is not None:
         raise ValueError(f"{src_dir} is a DFlash block draft ({DFLASH_ARCHITECTURE}), in z-lab's layout, which vLLM "
                          "(speculative method dflash), SGLang (--speculative-algorithm DFLASH) and eyas load as it "
                          "is; eyas export converts EAGLE-3 drafts only")

@@ -23,6 +23,7 @@ from eyas.checkpoint import canonical_key, load_dflash_draft, load_draft, load_t
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, stored_dtype
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from eyas.models.dflash import read_dflash_config
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -313,23 +314,13 @@ def inspect_report(target_dir: str | Path, draft_dir: str | Path | None = None, 
         if draft_dir is not None:
             problems.append("speculative method 'mtp' drafts with the target's own NextN layer and takes no draft; "
                             "use --speculative-method eagle to check a draft")
-    elif draft_dir is not None and (method == "dflash" or _names_dflash(Path(draft_dir))):
+    elif draft_dir is not None and (method == "dflash" or read_dflash_config(draft_dir) is not None):
         report["method"] = "dflash"
         report["draft"] = _block_draft_facts(Path(draft_dir), target_dir, config, problems)
     elif draft_dir is not None:
         report["draft"] = _draft_facts(Path(draft_dir), target_dir, config, aux_convention, problems, warnings)
     report.update(problems=problems, warnings=warnings, ok=not problems)
     return report
-
-
-def _names_dflash(draft_dir: Path) -> bool:
-    """Whether a draft's config.json names the DFlash architecture (then it is checked as one, as the engine runs
-    it without --speculative-method)."""
-    try:
-        raw = read_config_json(draft_dir / "config.json", "a draft checkpoint directory")
-    except ValueError:
-        return False
-    return DFLASH_ARCHITECTURE in (raw.get("architectures") or [])
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -17,19 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
+from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
 
 ARCHITECTURE = "DFlashDraftModel"
 # dflash_config keys eyas runs as they are; any other is a switch eyas does not implement, so an error
 DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id")
 SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's
+
+
+def read_dflash_config(draft_dir: str | Path) -> dict | None:
+    """A DFlash draft directory's config.json (it names DFlashDraftModel); None for any other draft, or for none
+    readable: loading the draft then says what is wrong."""
+    try:
+        raw = read_config_json(Path(draft_dir) / "config.json", "a draft checkpoint directory")
+    except ValueError:
+        return None
+    names = raw.get("architectures")
+    return raw if isinstance(names, list) and ARCHITECTURE in names else None
 
 
 def _wrong(source: str, name: str, value: Any, expected: str) -> ConfigError:
@@ -200,6 +212,8 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraft(nn.Module):
     """The draft's own weights (`fc`, `hidden_norm`, `layers`, `norm`) over the target's embedding and lm_head,
     which it shares (SHARED_WEIGHTS: neither saved with the draft nor trained)."""
+
+    shared_weights = SHARED_WEIGHTS
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()

@@ -369,6 +369,8 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head if lm_head is not None else nn.Linear(H, config.draft_vocab_size, bias=False)
+        # the target's weights it runs with (neither saved with the draft nor trained)
+        self.shared_weights = ("embed_tokens.weight",) + (("lm_head.weight",) if lm_head is not None else ())
         if config.compressed_vocab:
             # draft id i is target id i + d2t[i]; t2d marks the target ids the draft can propose
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.models.dflash import SHARED_WEIGHTS, DFlashDraft
+from eyas.models.dflash import DFlashDraft
 from eyas.models.eagle3 import Eagle3Draft
 from eyas.train.config import TrainConfig, comparable
 
@@ -149,8 +149,7 @@ def save_checkpoint(run_dir: RunDir, draft: Eagle3Draft | DFlashDraft, optimizer
     from eyas.export import save_dflash_draft, save_draft
 
     run_dir.checkpoint.mkdir(parents=True, exist_ok=True)
-    shared = SHARED_WEIGHTS if isinstance(draft, DFlashDraft) else ("embed_tokens.weight",)  # the target's
-    own = {k: v for k, v in draft.state_dict().items() if k not in shared}
+    own = {k: v for k, v in draft.state_dict().items() if k not in draft.shared_weights}
     tmp = run_dir.state.with_name(run_dir.state.name + ".tmp")
     torch.save({"draft": own, "optimizer": optimizer_state, "step": step, "config": comparable(cfg)}, tmp)
     if run_dir.state.is_file():  # kept until the new one is in place: a state.pt cut short falls back to it
@@ -182,9 +181,8 @@ def save_sharded_checkpoint(run_dir: RunDir, draft: Eagle3Draft | DFlashDraft, o
     with torch.device("meta"):
         plain = DFlashDraft(draft.config, draft.embed_tokens, draft.lm_head) if block else \
             Eagle3Draft(draft.config, draft.embed_tokens)
-    shared = SHARED_WEIGHTS if block else ("embed_tokens.weight",)
-    own = {k: v for k, v in model_state.items() if k not in shared}
-    assign_weights(plain, own, "the gathered draft", "cpu", shared=set(shared))
+    own = {k: v for k, v in model_state.items() if k not in plain.shared_weights}
+    assign_weights(plain, own, "the gathered draft", "cpu", shared=set(plain.shared_weights))
     save_checkpoint(run_dir, plain, _renumber(optimizer_state, {name: i for i, name in enumerate(names)}), step, cfg)
 
 

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from eyas.models.dflash import DFlashDraft
 from eyas.train.dflash import BlockObjective
 from eyas.train.ttt import TTTLoss
 
@@ -86,15 +85,13 @@ def shard_draft(loss_fn: TTTLoss | BlockObjective, world: int) -> None:
 
     draft = loss_fn.draft
     mesh = init_device_mesh(draft.fc.weight.device.type, (world,))
-    shared = [draft.embed_tokens]
     units = [draft.fc, *(layer.mlp for layer in draft.layers)]
-    if isinstance(draft, DFlashDraft):
-        shared.append(draft.lm_head)
-    else:
+    if "lm_head.weight" not in draft.shared_weights:
         units.append(draft.lm_head)
     for module in units:
         fully_shard(module, mesh=mesh)
-    fully_shard(loss_fn, mesh=mesh, ignored_params={p for module in shared for p in module.parameters()})
+    shared = {p for name, p in draft.named_parameters() if name in draft.shared_weights}
+    fully_shard(loss_fn, mesh=mesh, ignored_params=shared)
     for module in [*units, loss_fn]:
         module.set_gradient_divide_factor(1.0)  # summed, as the module docstring says
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM

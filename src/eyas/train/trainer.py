@@ -108,9 +108,8 @@ def setup(cfg: TrainConfig, resume: bool) -> Run:
     fsdp = cfg.fsdp and world > 1  # one rank has nothing to shard across
     if fsdp:
         shard_draft(loss_fn, world)  # before the optimizer: it must hold the sharded parameters
-    # the target's embedding (and a DFlash draft's lm_head, the target's too) are shared, never trained
-    frozen = ("embed_tokens", "lm_head") if cfg.freeze_lm_head or cfg.draft_arch == "dflash" else ("embed_tokens",)
-    names, params = zip(*[(name, p) for name, p in draft.named_parameters() if not name.startswith(frozen)])
+    frozen = draft.shared_weights + (("lm_head.weight",) if cfg.freeze_lm_head else ())
+    names, params = zip(*[(name, p) for name, p in draft.named_parameters() if name not in frozen])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     run = Run(cfg, rank, world, device, run_dir, target, data, Batches(data, cfg, rank, world, device), draft,
               loss_fn, fsdp, names, params, optimizer, report, Checkpointer(run_dir, cfg), step=0)
