@@ -9,7 +9,7 @@ its whole block (K = B - 1), both at a fixed width, and the batch-1 tokens/s of 
 the eval's speed prompts (measured within each eval, plain first). Prints a table with the ratios to the EAGLE-3
 draft and writes WORK/summary.json.
 
-    python benchmarks/dflash_compare.py --target scripts/tiny_target/stage3-model \\
+    python benchmarks/dflash_compare.py --target examples/tiny-deepseek-v3 \\
         --data scripts/tiny_target/stage3-regenerated.jsonl --steps 400 --block-sizes 4 8 16
 
 Tokens/s are only as good as the machine is quiet; AL is measured at a fixed width and does not depend on load.

@@ -3,7 +3,7 @@ training runs without tuning on the project's test prompts: continuations (six l
 24 held-out package files, and 32 held-out function requests from the second half of conversations_heldout.jsonl,
 256 greedy tokens each; the measure is `eyas eval`'s (eyas.eval.acceptance.is_repetitive).
 
-    python scripts/tiny_target/validate.py scripts/tiny_target/stage3-model work/tiny_target/stage3/model-step60
+    python scripts/tiny_target/validate.py examples/tiny-deepseek-v3 work/tiny_target/stage3/model-step60
 """
 
 from __future__ import annotations
