@@ -211,6 +211,36 @@ def test_requests_arriving_mid_run_and_preemption(random_pair):
     assert llm.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, random_pair, tmp_path, block_size):
+    """B in {2, 4, 8, 16}, for the copying rig (its first draft nearly always accepted, so accepted runs end inside
+    the block) and a random draft: batched with chunked prompts, one request at a time, and in a cache small enough
+    that sequences are preempted and recomputed; each output equals plain greedy's."""
+    copying_target, _, copying = copying_pair
+    random_target = random_pair[0]
+    drafts = {"copying": (copying_target, write_dflash(tmp_path / "copying", copying_target, num_hidden_layers=1,
+                                                       weights=load_file(copying / "model.safetensors"),
+                                                       block_size=block_size)),
+              "random": (random_target, write_dflash(tmp_path / "random", random_target, seed=block_size,
+                                                     block_size=block_size))}
+    prompts = [[3 + i] * (6 + 3 * i) for i in range(5)]
+    for name, (target, draft) in drafts.items():
+        spec = {"speculative_method": "dflash", "draft_model": draft}
+        _, plain = run(target, GREEDY)
+        llm, batched = run(target, GREEDY, **spec)
+        assert llm.speculative_config.num_speculative_tokens == block_size - 1
+        assert [o.token_ids for o in batched] == [o.token_ids for o in plain], name
+        assert all(o.num_drafted > 0 for o in batched), name
+        alone = LLM(target, max_num_seqs=1, **spec)
+        assert [alone.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]] == [o.token_ids for o in plain[:3]]
+        small = LLM(target, max_num_seqs=3, block_size=4, num_blocks=16, max_num_batched_tokens=16, **spec)
+        preempted = small.generate(prompts, GREEDY)
+        assert small.scheduler.num_preemptions > 0 and small.allocator.num_used == 0, name
+        assert [o.token_ids for o in preempted] == [o.token_ids for o in LLM(target).generate(prompts, GREEDY)], name
+        if name == "copying":
+            assert sum(o.num_accepted for o in batched) > sum(o.num_verify_steps for o in batched) / 2
+
+
 # -- the drafts and the context, exactly -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [None, 2])
