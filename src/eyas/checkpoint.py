@@ -187,27 +187,37 @@ def _refuse_a_mismatched_draft(path: Path, raw: dict, target: DeepseekV3ForCausa
 
 
 def load_dflash_draft(path: str | Path, target: DeepseekV3ForCausalLM) -> DFlashDraft:
-    """Load a DFlash block draft in z-lab's layout (config.json with `dflash_config`, weights `fc`,
-    `hidden_norm`, `layers.{i}.*`, `norm`) for `target`, whose embedding and lm_head it shares. Its config is
-    checked against the target, and a weight the draft does not take is an error naming it."""
+    """Load a DFlash block draft for `target`, whose embedding and lm_head it shares: in z-lab's layout (config.json
+    with `dflash_config`; weights `fc`, `hidden_norm`, `layers.{i}.*`, `norm`) or the speculators library's
+    (`speculators_model_type: dflash`: the same weight names, and copies of the target's embedding and lm_head).
+    Its config is checked against the target; a copy of a shared weight must be the target's, and a weight the
+    draft does not take is an error naming it."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such draft directory")
     raw = read_config_json(path / "config.json", "a DFlash draft checkpoint directory")
     config = DFlashConfig.from_hf(raw, target.config, str(path / "config.json"))
     weight = target.lm_head.weight
-    tensors = load_weights(path, weight.dtype)
-    targets = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": weight}
-    for key in [k for k in tensors if k in DFLASH_SHARED_WEIGHTS]:  # a copy of the target's is dropped
-        if tensors[key].shape != targets[key].shape or not torch.equal(tensors[key], targets[key]):
-            raise CheckpointError(f"{path}: {key!r} differs from the target's; a DFlash draft uses the target's "
-                                  "embedding and lm_head")
-        del tensors[key]
+    stored = read_safetensors(path)
+    _drop_shared_copies(stored, target, path)
+    tensors = dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), weight.dtype, source=str(path))
     with torch.device("meta"):
         draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
     assign_weights(draft, tensors, path, weight.device, shared=DFLASH_SHARED_WEIGHTS)
     draft.rotary = Rotary(config.rope, config.max_position_embeddings).to(weight.device)
     return draft.eval()
+
+
+def _drop_shared_copies(stored: dict[str, torch.Tensor], target: DeepseekV3ForCausalLM, path: Path) -> None:
+    """Drop the file's copies of the target's embedding and lm_head (the speculators format keeps both): each must
+    be the target's tensor, up to rounding to the coarser of the two dtypes."""
+    targets = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
+    for key in [k for k in stored if k in DFLASH_SHARED_WEIGHTS]:
+        copy, own = stored.pop(key), targets[key].detach().cpu()
+        if copy.shape != own.shape or not (torch.equal(copy.to(own.dtype), own) or
+                                           torch.equal(copy, own.to(copy.dtype))):
+            raise CheckpointError(f"{path}: {key!r} differs from the target's; a DFlash draft uses the target's "
+                                  "embedding and lm_head (pass the target the draft was made for)")
 
 
 def load_draft(path: str | Path, target: DeepseekV3ForCausalLM, aux_convention: str | None = None,

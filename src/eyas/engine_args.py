@@ -174,12 +174,13 @@ def _add_speculative_args(parser: argparse.ArgumentParser, defaults: dict[str, A
     s = parser.add_argument_group("speculative decoding")
     _flag(s, "--speculative-method", defaults, choices=["eagle", "mtp", "dflash", "none"],
           help="eagle: an EAGLE-3 draft head (--draft-model), one draft token per draft forward; mtp: the "
-          "target's own NextN layer; dflash: a DFlash block draft (--draft-model, z-lab's layout), whose "
-          "one forward proposes a whole block of drafts; none: plain decoding. Default: dflash or eagle "
-          "when --draft-model is given (as its config.json names it); for the bundled tiny target, eagle "
-          "with its bundled MLA draft; otherwise none")
+          "target's own NextN layer; dflash: a DFlash block draft (--draft-model, z-lab's layout or the "
+          "speculators format), whose one forward proposes a whole block of drafts; none: plain decoding. "
+          "Default: dflash or eagle when --draft-model is given (as its config.json names it); for the bundled "
+          "tiny target, eagle with its bundled MLA draft; otherwise none")
     _flag(s, "--draft-model", defaults, type=Path, help="draft directory: EAGLE-3 (vLLM, SGLang, Model Optimizer, "
-          "MAX or eyas layout; MLA or Llama-style MHA) or DFlash (z-lab's layout, as vLLM and SGLang load it)")
+          "MAX or eyas layout; MLA or Llama-style MHA) or DFlash (z-lab's layout, as vLLM and SGLang load it, or the "
+          "speculators format)")
     _flag(s, "--num-speculative-tokens", defaults, type=int, help=f"drafts verified per step (K); default "
           f"{DEFAULT_NUM_SPECULATIVE_TOKENS}, and for dflash the draft's block_size - 1 (at most that: its block is "
           "the anchor and that many drafts)")

@@ -1,4 +1,5 @@
-"""Write EAGLE-3 drafts in the layouts other engines load, and FP8 weight-only drafts (DESIGN.md §4).
+"""Write EAGLE-3 drafts in the layouts other engines load, DFlash drafts in the speculators format, and FP8
+weight-only drafts (DESIGN.md §4).
 
 A draft is loaded with `load_draft` (any layout) and written back as one of:
 
@@ -16,8 +17,20 @@ The speculators format (vLLM loads it natively) nests the draft layer's Llama co
 and the proposal settings in `speculators_config`. Every format writes the four EAGLE-3.1 switches.
 
 Every config names its aux-id convention (`eagle_aux_hidden_state_layer_ids_convention`), so no reader has to guess.
-The target's embedding is never written (every engine shares the target's); `lm_head.weight` always is, so a file
-is self-contained even when its head equals the target's.
+An EAGLE-3 export never writes the target's embedding (every engine shares the target's); `lm_head.weight` always
+is, so a file is self-contained even when its head equals the target's.
+
+A DFlash block draft exports in two layouts (`load_dflash_draft` reads both):
+
+| format       | architecture     | layers     | target layers                                  | embedding, lm_head |
+|--------------|------------------|------------|------------------------------------------------|--------------------|
+| z-lab, as is | DFlashDraftModel | layers.{i} | dflash_config.target_layer_ids (layer outputs) | the target's       |
+| speculators  | DFlashSpeculator | layers.{i} | aux_hidden_state_layer_ids (= those + 1)       | copies written     |
+
+z-lab's layout is what `eyas train` saves and what vLLM (`method: dflash`), SGLang and eyas load, so there is
+nothing to convert; `--format speculators` writes the speculators library's `dflash` format (vLLM loads it
+natively, `speculators_model_type: dflash`; facts and sources in eyas.models.dflash). Other formats refuse a DFlash
+draft.
 """
 
 from __future__ import annotations
@@ -39,11 +52,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eyas.aux_layers import AuxConvention, from_hidden_state_ids
-from eyas.checkpoint import load_draft, load_target_head
+from eyas.checkpoint import load_dflash_draft, load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
-from eyas.models.dflash import DFlashDraft, read_dflash_config
+from eyas.models.dflash import DFlashDraft, read_dflash_config, speculators_dflash_config
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -102,7 +115,7 @@ FORMATS = {
     "speculators": DraftFormat("speculators", "layers.0.", SPECULATORS_ARCHITECTURE, "", "",
                                AuxConvention.HIDDEN_STATES, True, True, "vLLM (speculators format), speculators"),
 }
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this writes
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 and dflash configs this writes
 # what reads a --format modelopt export's aux ids wrongly: they are written as layer outputs, one lower than the
 # hidden_states indices these engines read (measured on the bundled MLA draft in vLLM: AL -7.5%, no warning)
 MODELOPT_MISREADERS = "vLLM, SGLang and MAX"
@@ -300,6 +313,19 @@ def save_dflash_draft(draft: DFlashDraft, path: str | Path, dtype: torch.dtype |
     return _write_checkpoint(Path(path), tensors, {**draft.config.to_hf(), "torch_dtype": str(dtype).split(".")[-1]})
 
 
+def save_dflash_speculators(draft: DFlashDraft, path: str | Path, dtype: torch.dtype | None = None,
+                            verifier: dict | None = None, num_speculative_tokens: int | None = None) -> Path:
+    """Write a DFlash draft in the speculators library's `dflash` format, which vLLM loads natively: z-lab's weight
+    names and copies of the target's embedding and lm_head (eyas.models.dflash says why). `verifier` names the
+    target; `num_speculative_tokens` (default block_size - 1) is the K vLLM runs."""
+    dtype = dtype or draft.fc.weight.dtype
+    # copies: the embedding and lm_head are the target's own tensors (tied ones, one), which safetensors refuses
+    tensors = {k: v.detach().to("cpu", dtype=dtype, copy=True).contiguous() for k, v in draft.state_dict().items()}
+    config = speculators_dflash_config(draft.config, SPECULATORS_VERSION, verifier, num_speculative_tokens,
+                                       DTYPE_NAMES.get(dtype, "float32"))
+    return _write_checkpoint(Path(path), tensors, config)
+
+
 def stored_dtype(path: str | Path) -> torch.dtype | None:
     """The dtype most of a checkpoint's non-FP8 floating-point values are stored in (read from the headers)."""
     counts: Counter[torch.dtype] = Counter()
@@ -334,31 +360,49 @@ def _resolve_target(target: nn.Module | str | Path, draft_dir: Path) -> nn.Modul
     return load_target_head(target, stored_dtype(draft_dir) or torch.float32)
 
 
-def _refuse_a_block_draft(src_dir: Path) -> None:
-    """A DFlash draft has one layout, z-lab's, which every engine that runs DFlash loads: nothing to convert."""
-    if read_dflash_config(src_dir) is not None:
-        raise ValueError(f"{src_dir} is a DFlash block draft ({DFLASH_ARCHITECTURE}), in z-lab's layout, which vLLM "
-                         "(speculative method dflash), SGLang (--speculative-algorithm DFLASH) and eyas load as it "
-                         "is; eyas export converts EAGLE-3 drafts only")
+def _verifier(target: nn.Module | str | Path) -> dict | None:
+    """The speculators formats' verifier entry for a target checkpoint directory; None for a loaded model."""
+    if isinstance(target, nn.Module):
+        return None
+    raw = json.loads((Path(target) / "config.json").read_text())
+    return {"name_or_path": str(target), "architectures": raw.get("architectures") or []}
+
+
+def _export_block_draft(src_dir: Path, out_dir: str | Path, fmt: str, target: nn.Module | str | Path,
+                        dtype: torch.dtype | None, num_speculative_tokens: int | None, eagle_options: dict) -> Path:
+    """A DFlash draft (either layout) written in the speculators format: z-lab's layout, which every engine that
+    runs DFlash loads, is left as it is."""
+    if fmt != "speculators":
+        raise ExportError(f"{src_dir} is a DFlash block draft (z-lab's {DFLASH_ARCHITECTURE} or the speculators "
+                          "dflash format); z-lab's layout is what vLLM (speculative method dflash), SGLang "
+                          "(--speculative-algorithm DFLASH) and eyas load as it is, and eyas export converts EAGLE-3 "
+                          f"drafts only to --format {fmt}. A DFlash draft exports with --format speculators (the "
+                          "speculators library's dflash format, which vLLM also loads)")
+    given = sorted(name for name, value in eagle_options.items() if value)
+    if given:
+        raise ExportError(f"{', '.join(given)} apply to EAGLE-3 drafts; {src_dir} is a DFlash block draft")
+    draft = load_dflash_draft(src_dir, _resolve_target(target, src_dir))
+    return save_dflash_speculators(draft, out_dir, dtype or stored_dtype(src_dir), _verifier(target),
+                                   num_speculative_tokens)
 
 
 def export_draft(src_dir: str | Path, out_dir: str | Path, fmt: str, target: nn.Module | str | Path,
                  rope_scaling: dict | None = None, dtype: torch.dtype | None = None,
                  aux_convention: str | None = None, allow_unused_weights: bool = False,
-                 num_speculative_tokens: int = 3) -> Path:
-    """Load a draft from any layout (`load_draft`) and write it in `fmt`. `target` is a loaded target model or a
-    target checkpoint directory (then only its config, embedding and lm_head are read); `dtype` defaults to the
-    dtype the source file stores."""
+                 num_speculative_tokens: int | None = None) -> Path:
+    """Load a draft from any layout (`load_draft`, or `load_dflash_draft` for a DFlash draft, which exports with
+    `fmt` speculators only) and write it in `fmt`. `target` is a loaded target model or a target checkpoint
+    directory (then only its config, embedding and lm_head are read); `dtype` defaults to the dtype the source file
+    stores; `num_speculative_tokens` (the speculators formats' K) to 3, for a DFlash draft to block_size - 1."""
     src_dir = Path(src_dir)
     _format(fmt)
-    _refuse_a_block_draft(src_dir)
+    if read_dflash_config(src_dir) is not None:
+        options = {"rope_scaling": rope_scaling, "aux_convention": aux_convention,
+                   "allow_unused_weights": allow_unused_weights}
+        return _export_block_draft(src_dir, out_dir, fmt, target, dtype, num_speculative_tokens, options)
     draft = load_draft(src_dir, _resolve_target(target, src_dir), aux_convention, allow_unused_weights)
-    verifier = None
-    if not isinstance(target, nn.Module):
-        raw = json.loads((Path(target) / "config.json").read_text())
-        verifier = {"name_or_path": str(target), "architectures": raw.get("architectures") or []}
-    return save_draft(draft, out_dir, fmt, dtype or stored_dtype(src_dir), rope_scaling, verifier,
-                      num_speculative_tokens)
+    return save_draft(draft, out_dir, fmt, dtype or stored_dtype(src_dir), rope_scaling, _verifier(target),
+                      3 if num_speculative_tokens is None else num_speculative_tokens)
 
 
 # ---- FP8 ---------------------------------------------------------------------------------------------------------
@@ -450,6 +494,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, ValueError, OSError) as e:
         return _error("export", e)
     config = json.loads((out / "config.json").read_text())
+    if config.get("speculators_model_type") == "dflash":
+        print(_block_export_summary(out, config))
+        return 0
     layer = config.get("transformer_layer_config", config)  # speculators nests the layer's own config
     eagle = config.get("eagle_config", config)
     print(f"wrote {out}/config.json + model.safetensors ({_mb((out / 'model.safetensors').stat().st_size)}): "
@@ -475,6 +522,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _block_export_summary(out: Path, config: dict) -> str:
+    layer, spec = config["transformer_layer_config"], config["speculators_config"]
+    ids = config["aux_hidden_state_layer_ids"]
+    return (f"wrote {out}/config.json + model.safetensors ({_mb((out / 'model.safetensors').stat().st_size)}): "
+            f"speculators dflash layout (vLLM, speculators), {config['architectures'][0]} over "
+            f"{layer['num_hidden_layers']} Qwen3 layers, {layer['torch_dtype']}\n"
+            f"  aux ids {ids} (hidden_states; z-lab target_layer_ids {[i - 1 for i in ids]}), block "
+            f"{config['block_size']}: {spec['proposal_methods'][0]['speculative_tokens']} speculative tokens, mask "
+            f"token {config['mask_token_id']}; embedding and lm_head copied from the target "
+            f"({spec['verifier']['name_or_path']})")
+
+
 def cmd_quantize_draft(args: argparse.Namespace) -> int:
     try:
         report = quantize_draft_fp8(args.draft, args.out, args.target, args.block_size, args.include_lm_head,
@@ -489,27 +548,35 @@ def cmd_quantize_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXPORT_DESCRIPTION = (
+    "Load an EAGLE-3 draft from any layout eyas reads and write config.json + model.safetensors in "
+    "one engine's layout. eyas/vllm/max: layer under layers.0., aux ids as hidden_states indices (vLLM: "
+    "Eagle3LlamaForCausalLM / Eagle3DeepseekV2ForCausalLM with model_type deepseek_v2). sglang: layer under "
+    "midlayer., LlamaForCausalLMEagle3 / DeepseekV3ForCausalLMEagle3, 3 aux states. modelopt: Model "
+    "Optimizer's layout, aux ids as 0-based layer outputs (one lower; vLLM and SGLang read them as "
+    "hidden_states: export warns). speculators: vLLM's native format, an Eagle3Speculator config nesting the "
+    "Llama layer's config (MHA drafts only). Every config names its aux-id convention and the EAGLE-3.1 "
+    "switches. The target's embedding is never written; lm_head always is. A DFlash block draft stays in "
+    "z-lab's layout, as is (vLLM, SGLang and eyas load it), or exports with --format speculators: a "
+    "DFlashSpeculator config (aux ids = z-lab's target_layer_ids + 1) with copies of the target's embedding "
+    "and lm_head. Reloading any export in eyas gives the same weights bit for bit.")
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Register `eyas export` and `eyas quantize-draft`."""
     conventions = [c.value for c in AuxConvention]
     e = subparsers.add_parser(
-        "export", help="write an EAGLE-3 draft in the layout vLLM, SGLang, Model Optimizer or MAX loads",
-        description="Load an EAGLE-3 draft from any layout eyas reads and write config.json + model.safetensors in "
-        "one engine's layout. eyas/vllm/max: layer under layers.0., aux ids as hidden_states indices (vLLM: "
-        "Eagle3LlamaForCausalLM / Eagle3DeepseekV2ForCausalLM with model_type deepseek_v2). sglang: layer under "
-        "midlayer., LlamaForCausalLMEagle3 / DeepseekV3ForCausalLMEagle3, 3 aux states. modelopt: Model "
-        "Optimizer's layout, aux ids as 0-based layer outputs (one lower; vLLM and SGLang read them as "
-        "hidden_states: export warns). speculators: vLLM's native format, an Eagle3Speculator config nesting the "
-        "Llama layer's config (MHA drafts only). Every config names its aux-id convention and the EAGLE-3.1 "
-        "switches. The target's embedding is never written; "
-        "lm_head always is. Reloading any export in eyas gives the same weights bit for bit.")
+        "export", help="write an EAGLE-3 draft in the layout vLLM, SGLang, Model Optimizer or MAX loads, or a "
+        "DFlash draft in the speculators format",
+        description=_EXPORT_DESCRIPTION)
     e.add_argument("draft", type=Path, metavar="DRAFT_DIR", help="the draft checkpoint directory to read")
     e.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write (created; must hold no other "
                    "*.safetensors)")
-    e.add_argument("--format", required=True, choices=sorted(FORMATS), help="the engine layout to write")
+    e.add_argument("--format", required=True, choices=sorted(FORMATS), help="the engine layout to write; a DFlash "
+                   "draft: speculators (its z-lab layout is what every engine loads, as is)")
     e.add_argument("--target", type=Path, default=DEFAULT_MODEL, metavar="DIR", help="the target checkpoint the "
-                   "draft belongs to; only its config, embedding and lm_head are read (default: the bundled tiny "
-                   "DeepSeek-V3)")
+                   "draft belongs to; only its config, embedding and lm_head are read (a DFlash export copies the "
+                   "last two; default: the bundled tiny DeepSeek-V3)")
     e.add_argument("--rope-scaling-factor", type=float, metavar="F", help="write YaRN rope scaling with this factor "
                    "(a draft trained on short contexts served long); needs --rope-original-max-position-embeddings")
     e.add_argument("--rope-original-max-position-embeddings", type=int, metavar="N", help="the context length the "
@@ -518,8 +585,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                    "(default: the dtype the source file stores)")
     e.add_argument("--aux-layer-convention", choices=conventions, help="how to read the SOURCE draft's aux ids "
                    "(default: detected from its config, else hidden_states)")
-    e.add_argument("--num-speculative-tokens", type=int, default=3, help="--format speculators: the draft tokens "
-                   "per step written as the proposal method's speculative_tokens (vLLM reads it as its K)")
+    e.add_argument("--num-speculative-tokens", type=int, help="--format speculators: the draft tokens per step "
+                   "written as the proposal method's speculative_tokens (vLLM reads it as its K; default 3, for a "
+                   "DFlash draft its block_size - 1)")
     e.add_argument("--allow-unused-draft-weights", action="store_true", help="read a source draft holding weights "
                    "its config does not use (they are dropped); without it that is an error naming them")
     e.set_defaults(func=cmd_export)

@@ -23,7 +23,7 @@ from eyas.checkpoint import canonical_key, load_dflash_draft, load_draft, load_t
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.export import DTYPE_NAMES, MODELOPT_MISREADERS, checkpoint_keys, stored_dtype
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
-from eyas.models.dflash import read_dflash_config
+from eyas.models.dflash import is_speculators_dflash, read_dflash_config
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
     AUX_IDS_FIELD,
@@ -185,16 +185,27 @@ def _draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config, au
     return facts
 
 
+def _block_draft_file_facts(raw: dict) -> tuple[str, str]:
+    """(architecture, target layers) as a DFlash draft's config.json writes them, in z-lab's or speculators' layout."""
+    if is_speculators_dflash(raw):
+        layer = raw.get("transformer_layer_config") if isinstance(raw.get("transformer_layer_config"), dict) else {}
+        return (f"{', '.join(map(str, raw.get('architectures') or ['?']))} (speculators dflash format, layers "
+                f"model_type {layer.get('model_type')}): a DFlash block draft",
+                f"aux_hidden_state_layer_ids = {raw.get('aux_hidden_state_layer_ids')} (hidden_states indices: "
+                "z-lab's target_layer_ids + 1)")
+    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    return (f"{DFLASH_ARCHITECTURE} (model_type {raw.get('model_type')}): a DFlash block draft",
+            f"dflash_config.target_layer_ids = {dflash.get('target_layer_ids')} (0-based layer outputs)")
+
+
 def _block_draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Config,
                        problems: list[str]) -> dict[str, Any]:
-    """A DFlash block draft (z-lab's layout): what it is, loaded against the target as the engine loads it."""
+    """A DFlash block draft (z-lab's layout or speculators'): what it is, loaded against the target as the engine
+    loads it."""
     raw = read_config_json(draft_dir / "config.json", "a DFlash draft checkpoint directory")
-    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
-    facts: dict[str, Any] = {"path": str(draft_dir),
-                             "architecture in file": f"{DFLASH_ARCHITECTURE} (model_type {raw.get('model_type')}): "
-                                                     "a DFlash block draft",
-                             "target layers in file": f"dflash_config.target_layer_ids = "
-                                                      f"{dflash.get('target_layer_ids')} (0-based layer outputs)"}
+    architecture, target_layers = _block_draft_file_facts(raw)
+    facts: dict[str, Any] = {"path": str(draft_dir), "architecture in file": architecture,
+                             "target layers in file": target_layers}
     try:
         draft = load_dflash_draft(draft_dir, load_target_head(target_dir, stored_dtype(draft_dir) or torch.float32))
     except (ConfigError, CheckpointError) as e:
@@ -375,7 +386,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("target", nargs="?", type=Path, default=DEFAULT_MODEL, metavar="TARGET",
                    help="target checkpoint directory (default: the bundled tiny DeepSeek-V3)")
     p.add_argument("draft", nargs="?", type=Path, metavar="DRAFT", help="draft directory: EAGLE-3 (any layout) or "
-                   "DFlash (z-lab's layout, detected from its config.json)")
+                   "DFlash (z-lab's layout or the speculators format, detected from its config.json)")
     p.add_argument("--speculative-method", choices=list(METHODS), default="eagle",
                    help="eagle: check DRAFT against TARGET; mtp: check the target's own NextN layer; dflash: check "
                    "DRAFT as a DFlash block draft")

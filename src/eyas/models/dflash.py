@@ -10,7 +10,9 @@ decoder layers that propose a whole block of tokens in one forward, where an EAG
 
 The context enters every layer only through that layer's k_proj/v_proj, so its keys and values can be computed once
 per committed position and kept (`context_kv`), as a KV cache is; the block's own are recomputed each time.
-`target_layer_ids` are 0-based decoder-layer outputs (hidden_states[id + 1]), z-lab's convention.
+`target_layer_ids` are 0-based decoder-layer outputs (hidden_states[id + 1]), z-lab's convention. The speculators
+library's `dflash` format (vLLM reads it natively) holds the same draft; it is read and written at the end of the
+config part below, with the sources of its facts.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's
 
 
 def read_dflash_config(draft_dir: str | Path) -> dict | None:
-    """A DFlash draft directory's config.json (it names DFlashDraftModel); None for any other draft, or for none
-    readable: loading the draft then says what is wrong."""
+    """A DFlash draft directory's config.json, as the file has it, in either layout eyas reads: z-lab's (it names
+    DFlashDraftModel) or the speculators library's (`speculators_model_type: dflash`; `block_size` is at the top
+    level in both). None for any other draft, or for none readable: loading the draft then says what is wrong."""
     try:
         raw = read_config_json(Path(draft_dir) / "config.json", "a draft checkpoint directory")
     except ValueError:
         return None
     names = raw.get("architectures")
-    return raw if isinstance(names, list) and ARCHITECTURE in names else None
+    return raw if is_speculators_dflash(raw) or (isinstance(names, list) and ARCHITECTURE in names) else None
 
 
 def _wrong(source: str, name: str, value: Any, expected: str) -> ConfigError:
@@ -92,8 +95,11 @@ class DFlashConfig:
 
     @classmethod
     def from_hf(cls, raw: dict, target: DeepseekV3Config, source: str = "config.json") -> DFlashConfig:
-        """The draft described by a z-lab DFlash config.json, checked against its `target`: every switch eyas
-        does not run (sliding-window layers, causal blocks, MLA-shaped layers) is an error naming it."""
+        """The draft described by a DFlash config.json (z-lab's layout, or the speculators library's, read as
+        z-lab's), checked against its `target`: every switch eyas does not run (sliding-window layers, causal
+        blocks, MLA-shaped layers) is an error naming it."""
+        if is_speculators_dflash(raw):
+            raw = speculators_dflash_to_hf(raw, source)
         names = raw.get("architectures") or []
         if ARCHITECTURE not in names:
             raise _wrong(source, "architectures", names, f'["{ARCHITECTURE}"]')
@@ -151,6 +157,141 @@ class DFlashConfig:
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
             **self.rope.to_hf(), "rope_interleave": self.rope.interleave,
         }
+
+
+# ---- the speculators format ---------------------------------------------------------------------------------------
+# The speculators library's `dflash` format, which vLLM reads natively. Facts (read 2026-12-05; no code copied):
+# [S]  speculators 0.9.0, the PyPI wheel of 2026-10 (sha256 f0de7571...4481): speculators/models/dflash/config.py
+#      (DFlashSpeculatorConfig), speculators/config.py (SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig),
+#      proposals/greedy.py, models/dflash/core.py, convert/dflash/converter.py. The DFlash fields are the same in
+#      vllm-project/speculators v0.7.0 (1c2895f, 2026-07-29) and main at c05b95b (2026-08-20); v0.6.0 lacked
+#      sample_from_anchor, v0.5.0 sliding_window_non_causal too (and had max_anchors).
+# [V]  vllm-project/vllm: vllm/transformers_utils/configs/speculators/base.py @ 052316a and algos.py (update_dflash;
+#      the index's copies carry no commit), vllm/model_executor/models/qwen3_dflash.py @ 036a00d.
+# - config.json holds exactly SPECULATORS_DFLASH_FIELDS [S config.py]: architectures ["DFlashSpeculator"];
+#   transformer_layer_config, the Qwen3 config of the draft's layers: z-lab's config.json less architectures,
+#   auto_map, block_size, dflash_config and num_target_layers [S converter.py]; draft_vocab_size (the target's
+#   vocabulary here: no d2t/t2d); block_size; target_hidden_size; aux_hidden_state_layer_ids = z-lab's
+#   target_layer_ids + 1 [S converter.py; V algos.py maps them back with - 1]; mask_token_id;
+#   sliding_window_non_causal (default false); sample_from_anchor (default false: the anchor is the token being
+#   verified and block rows 1..B-1 the B - 1 drafts, as in z-lab's block and eyas's); speculators_version; and
+#   speculators_config {algorithm "dflash", proposal_methods [{proposal_type "greedy", speculative_tokens B - 1,
+#   verifier_accept_k 1, accept_tolerance 0.0}], default_proposal_method "greedy", verifier {name_or_path,
+#   architectures}} [S converter.py, greedy.py]. vLLM takes speculative_tokens as num_speculative_tokens [V base.py].
+# - sliding_window_non_causal is written true: vLLMs that read it set dflash_config.causal = not
+#   sliding_window_non_causal (true when absent) [V algos.py], and dflash_config.causal decides every layer's
+#   causality [V qwen3_dflash.py, _dflash_layer_causal], so false would run this non-causal draft causally there;
+#   speculators keeps full-attention layers bidirectional whatever the field says [S config.py].
+# - tensors: the body keeps z-lab's names (fc, hidden_norm, norm, layers.{i}.*) [S converter.py copies them as they
+#   are]; embed_tokens.weight and lm_head.weight are the target's, which the converter fills in from the verifier;
+#   verifier_lm_head and verifier_norm are never saved [S core.py]. speculators v0.7.0 saves both copies; 0.9.0
+#   saves neither for a full-vocabulary draft and reloads them from the verifier on loading. eyas writes them, so
+#   every version reads the file without the verifier at hand, and vLLM runs the draft on those copies
+#   [V qwen3_dflash.py load_weights]; eyas's loader checks that they are the target's.
+SPECULATORS_MODEL_TYPE = "dflash"
+SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
+SPECULATORS_DFLASH_FIELDS = ("architectures", "speculators_model_type", "speculators_version", "speculators_config",
+                             "transformer_layer_config", "draft_vocab_size", "block_size", "target_hidden_size",
+                             "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
+                             "sample_from_anchor")
+# what transformers' save_pretrained adds to every config it writes (speculators' too): nothing about the draft
+PRETRAINED_BOOKKEEPING = ("transformers_version", "torch_dtype", "dtype")
+_SPECULATORS_CONFIG_KEYS = ("algorithm", "proposal_methods", "default_proposal_method", "verifier")
+_NOT_LAYER_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+
+
+def is_speculators_dflash(raw: dict) -> bool:
+    return raw.get("speculators_model_type") == SPECULATORS_MODEL_TYPE
+
+
+def speculators_dflash_config(config: DFlashConfig, version: str, verifier: dict | None = None,
+                              speculative_tokens: int | None = None, torch_dtype: str = "float32") -> dict:
+    """config.json of `config` in the speculators `dflash` format (see the facts above); `verifier`
+    ({"name_or_path", "architectures"}) names the target, `speculative_tokens` (default block_size - 1) is the K
+    vLLM runs."""
+    B = config.block_size
+    tokens = B - 1 if speculative_tokens is None else speculative_tokens
+    if not isinstance(tokens, int) or not 1 <= tokens <= B - 1:
+        raise ConfigError(f"speculative_tokens is {tokens!r}; expected 1..{B - 1} (block_size {B} - 1: the anchor "
+                          "and its drafts fill the block)")
+    if config.rope.interleave:
+        raise _wrong(config.source, "rope_interleave", True, "false: speculators' DFlash layers and vLLM's rotate "
+                     "halves (Qwen3), and neither format field says otherwise")
+    layer = {k: v for k, v in config.to_hf().items() if k not in (*_NOT_LAYER_KEYS, "rope_interleave")}
+    layer["torch_dtype"] = torch_dtype
+    verifier = verifier or {"name_or_path": None, "architectures": []}
+    return {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": SPECULATORS_MODEL_TYPE,
+        "speculators_version": version,
+        "speculators_config": {
+            "algorithm": SPECULATORS_MODEL_TYPE,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.vocab_size,
+        "block_size": B,
+        "target_hidden_size": config.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "mask_token_id": config.mask_token_id,
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": False,
+    }
+
+
+def speculators_dflash_to_hf(raw: dict, source: str) -> dict:
+    """A speculators `dflash` config.json as z-lab's layout, which DFlashConfig.from_hf reads: the layers' config at
+    the top, dflash_config.target_layer_ids = aux_hidden_state_layer_ids - 1. A key speculators' DFlash config does
+    not declare, or a setting eyas does not run, is an error naming it."""
+    unknown = sorted(set(raw) - set(SPECULATORS_DFLASH_FIELDS) - set(PRETRAINED_BOOKKEEPING))
+    if unknown:
+        raise ConfigError(f"{source}: the speculators dflash config sets {unknown}, which speculators' DFlash config "
+                          f"does not declare (eyas reads {', '.join(SPECULATORS_DFLASH_FIELDS)})")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict) or layer.get("model_type", "qwen3") != "qwen3":
+        raise _wrong(source, "transformer_layer_config", layer, "the Qwen3 config (model_type qwen3) of the draft's "
+                     "layers")
+    if raw.get("sample_from_anchor", False) is not False:
+        raise _wrong(source, "sample_from_anchor", raw["sample_from_anchor"], "false (eyas's block: the anchor, "
+                     "then block_size - 1 drafts)")
+    if not isinstance(raw.get("sliding_window_non_causal", False), bool):
+        raise _wrong(source, "sliding_window_non_causal", raw["sliding_window_non_causal"], "true or false")
+    if raw.get("draft_vocab_size", layer.get("vocab_size")) != layer.get("vocab_size"):
+        raise _wrong(source, "draft_vocab_size", raw["draft_vocab_size"], f"the vocab_size of its layers, "
+                     f"{layer.get('vocab_size')} (eyas runs DFlash drafts over the target's whole vocabulary)")
+    if raw.get("target_hidden_size") not in (None, layer.get("hidden_size")):
+        raise _wrong(source, "target_hidden_size", raw["target_hidden_size"], f"null or the hidden_size of its "
+                     f"layers, {layer.get('hidden_size')}")
+    ids, mask = raw.get("aux_hidden_state_layer_ids"), raw.get("mask_token_id")
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 1 for i in ids):
+        raise _wrong(source, "aux_hidden_state_layer_ids", ids, "hidden_states indices from 1 (decoder-layer "
+                     "outputs: z-lab's target_layer_ids + 1)")
+    if type(mask) is not int:
+        raise _wrong(source, "mask_token_id", mask, "a token id")
+    _check_proposals(raw.get("speculators_config"), raw.get("block_size"), source)
+    return {**layer, "architectures": [ARCHITECTURE], "block_size": raw.get("block_size"),
+            "dflash_config": {"target_layer_ids": [i - 1 for i in ids], "mask_token_id": mask}}
+
+
+def _check_proposals(spec: Any, block_size: Any, source: str) -> None:
+    """speculators_config: the dflash algorithm, whose first proposal method drafts 1..block_size - 1 tokens."""
+    if not isinstance(spec, dict):
+        raise _wrong(source, "speculators_config", spec, f"a mapping of {', '.join(_SPECULATORS_CONFIG_KEYS)}")
+    unknown = sorted(set(spec) - set(_SPECULATORS_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: speculators_config sets {unknown}, which speculators does not declare (it "
+                          f"holds {', '.join(_SPECULATORS_CONFIG_KEYS)})")
+    if spec.get("algorithm") != SPECULATORS_MODEL_TYPE:
+        raise _wrong(source, "speculators_config.algorithm", spec.get("algorithm"), f'"{SPECULATORS_MODEL_TYPE}"')
+    methods = spec.get("proposal_methods")
+    first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
+    tokens = first.get("speculative_tokens")
+    if type(block_size) is int and (type(tokens) is not int or not 1 <= tokens <= block_size - 1):
+        raise _wrong(source, "speculators_config.proposal_methods[0].speculative_tokens", tokens,
+                     f"1..{block_size - 1} (block_size - 1: the block's drafts)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
