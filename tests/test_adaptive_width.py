@@ -87,3 +87,47 @@ def test_an_unlucky_first_trial_does_not_park_a_position():
     for _ in range(200):
         policy.observe(1, 3, 0.02, [(3, 0)])  # then an EMA: the old trials fade
     assert policy.buckets[1].accepted_rate[0] < 0.05
+
+
+def test_each_position_is_judged_over_the_steps_that_verified_it():
+    """Widths 3, 1, 0 and 2: position k's acceptance counts only the steps that verified draft k, so a narrower
+    width leaves it out instead of counting it as rejected; the width-0 step is no verify step at all."""
+    from eyas.engine.sequence import AcceptanceCounts
+
+    counts = AcceptanceCounts()
+    for width, accepted in ((3, 2), (1, 1), (0, 0), (2, 0)):
+        counts.add(width, accepted)
+    assert counts.num_verify_steps == 3 and counts.num_drafted == 6 and counts.num_accepted == 3
+    assert counts.accepted_per_position == [2, 1, 0] and counts.verified_per_position == [3, 2, 1]
+    assert counts.rates == pytest.approx([2 / 3, 1 / 2, 0.0])
+    assert counts.acceptance_length == pytest.approx(1 + 2 / 3 + 1 / 2)
+    assert counts.tokens_per_verify_step == pytest.approx(2.0)
+    assert AcceptanceCounts.total([]).acceptance_length == 1.0
+
+
+def test_a_narrower_width_does_not_lower_the_reported_acceptance():
+    """Every draft accepted (synthetic acceptance 1), the width cycling through 3, 1, 0 and 2 as an adaptive policy
+    might: each request, the engine's totals and `eyas eval`'s summary report acceptance 1 at every position and AL
+    4, the draft's at K=3, while the tokens per verify step say what the narrower widths delivered (1 + 2 on
+    average)."""
+    import itertools
+
+    from eyas import LLM, SamplingParams
+    from eyas.config import SpeculativeConfig
+    from eyas.eval.acceptance import _add, _summary, _totals
+    from eyas.paths import DEFAULT_MODEL
+
+    llm = LLM(DEFAULT_MODEL, max_num_seqs=1, speculative_config=SpeculativeConfig(
+        method="mtp", num_speculative_tokens=3, adaptive_width=True, synthetic_acceptance_rate=1.0))
+    widths = itertools.cycle([3, 1, 0, 2])
+    llm.speculative.adaptive.width = lambda batch_size: next(widths)
+    outs = llm.generate(["def add(a, b):\n", "import os\n"], SamplingParams(temperature=0, max_tokens=60,
+                                                                              ignore_eos=True))
+    totals = _totals()
+    for out in outs:
+        assert out.accepted_per_position == [1.0, 1.0, 1.0] and out.acceptance_length == 4.0
+        assert 2.5 < out.tokens_per_verify_step < 3.5
+        _add(totals, out)
+    assert llm.scheduler.metrics.acceptance_length == 4.0 and llm.scheduler.metrics.tokens_per_verify_step < 3.5
+    assert _summary(totals)["acceptance_length"] == 4.0
+    assert _summary(totals)["accepted_per_position"] == [1.0, 1.0, 1.0]

@@ -297,7 +297,7 @@ def test_a_pause_leaves_no_hole_in_the_draft_context(random_pair):
         llm.step()
     plain = LLM(target).generate(prompts, params)
     assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]
-    assert seqs[0].num_drafted == 0 and min(s.num_drafted for s in seqs[1:]) > 0
+    assert seqs[0].acceptance.num_drafted == 0 and min(s.acceptance.num_drafted for s in seqs[1:]) > 0
 
 
 def test_a_long_pause_keeps_at_most_max_pending_rows(random_pair, monkeypatch):
@@ -319,7 +319,7 @@ def test_a_long_pause_keeps_at_most_max_pending_rows(random_pair, monkeypatch):
                 cached, fresh = cached_and_recomputed(llm, hf, seq)
                 torch.testing.assert_close(cached, fresh, rtol=1e-5, atol=1e-5)
                 written += 1
-    assert written == 3 and all(s.num_drafted == 0 for s in seqs)
+    assert written == 3 and all(s.acceptance.num_drafted == 0 for s in seqs)
 
 
 def test_the_adaptive_width_may_verify_fewer_drafts_or_none(copying_pair):

@@ -71,7 +71,9 @@ def test_commit_applies_a_verify_step():
     assert finished == []
     assert a.token_ids[-3:] == [109, 110, 311] and a.num_computed == 11 == len(a) - 1
     assert a.draft_tokens == [312, 313] and len(a.block_table) == 4  # 12 tokens + 2 drafts -> 4 blocks of 4
-    assert (a.num_verify_steps, a.num_drafted, a.num_accepted, a.accepted_per_position) == (1, 2, 1, [1, 0])
+    counts = a.acceptance
+    assert (counts.num_verify_steps, counts.num_drafted, counts.num_accepted, counts.accepted_per_position,
+            counts.verified_per_position) == (1, 2, 1, [1, 0], [1, 1])
     assert b.generated_ids == [7] and b.pending_draft_inputs == [pending] and b.num_draft_computed == 3
     for seq in (a, b):
         check_invariants(seq, 4)
@@ -145,7 +147,7 @@ def test_invariants_hold_through_preemption_pauses_and_drafting(tmp_path):
         steps += 1
         for seq in seqs:
             check_invariants(seq, 4)
-    assert llm.scheduler.num_preemptions > 0 and sum(s.num_drafted for s in seqs) > 0
+    assert llm.scheduler.num_preemptions > 0 and sum(s.acceptance.num_drafted for s in seqs) > 0
     plain = LLM(tmp_path).generate(prompts, params)
     assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]
     assert llm.allocator.num_used == 0
@@ -214,6 +216,6 @@ def test_a_long_pause_keeps_at_most_max_pending_rows(tmp_path, monkeypatch):
             for t in seq.pending_draft_inputs:  # its own rows only, not a view of the step's
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
             caught_up += seq.num_draft_computed > 0 and not seq.draft_tokens and not seq.is_finished
-    assert caught_up > 0 and all(s.num_drafted == 0 for s in seqs)
+    assert caught_up > 0 and all(s.acceptance.num_drafted == 0 for s in seqs)
     plain = LLM(tmp_path).generate(prompts, params)
     assert [s.generated_ids for s in seqs] == [o.token_ids for o in plain]

@@ -546,6 +546,8 @@ vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 23
 vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7
 vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 5
 vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2
+eyas:spec_decode_num_verified_tokens_per_pos_total{model_name="tiny",position="0"} 13
+eyas:spec_decode_num_verified_tokens_per_pos_total{model_name="tiny",position="1"} 10
 """
 
 
@@ -606,7 +608,8 @@ def test_metrics_parse_with_their_types_in_a_registry_per_server(checkpoint):
     counters = ["eyas:request_success", "eyas:request_rejected", "eyas:prompt_tokens", "eyas:generation_tokens",
                 "eyas:num_preemptions"] + [f"{prefix}:spec_decode_num_{name}" for prefix in ("eyas", "vllm")
                                            for name in ("drafts", "draft_tokens", "accepted_tokens",
-                                                        "accepted_tokens_per_pos")]
+                                                        "accepted_tokens_per_pos")] + [
+                    "eyas:spec_decode_num_verified_tokens_per_pos"]
     gauges = ["eyas:num_requests_running", "eyas:num_requests_waiting", "eyas:kv_cache_blocks_used",
               "eyas:kv_cache_blocks_total", "eyas:request_success_created"]
     histograms = ["eyas:time_to_first_token_seconds", "eyas:time_per_output_token_seconds"]

@@ -36,12 +36,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if llm.speculative is not None:
                 record.update(acceptance_length=round(out.acceptance_length, 4), num_drafted=out.num_drafted,
                               num_accepted=out.num_accepted,
-                              accepted_per_position=[round(a, 4) for a in out.accepted_per_position])
+                              accepted_per_position=[round(a, 4) for a in out.accepted_per_position],
+                              tokens_per_verify_step=round(out.tokens_per_verify_step, 4))
             print(json.dumps(record))
         else:
             shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "").rstrip("\n") + "\n"
             print(f"{shown}\033[1m{out.text}\033[0m" if sys.stdout.isatty() else shown + out.text)
-            spec = f", acceptance length {out.acceptance_length:.2f}" if llm.speculative is not None else ""
+            spec = acceptance_summary(out) if llm.speculative is not None else ""
             print(f"-- {out.num_generated} tokens, {out.tokens_per_second:.1f} tok/s, {out.finish_reason}{spec}",
                   file=sys.stderr)
     if llm.speculative is not None and args.speed_check and len(prompts) <= llm.scheduler.max_num_seqs:
@@ -49,11 +50,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def acceptance_summary(out) -> str:
+    """The draft's acceptance length, and what the verified widths delivered when a narrower width made it less."""
+    text = f", acceptance length {out.acceptance_length:.2f}"
+    if out.tokens_per_verify_step < out.acceptance_length - 0.005:
+        text += f" ({out.tokens_per_verify_step:.2f} tokens per verify step at the widths verified)"
+    return text
+
+
 def warn_if_slower_than_plain(llm, prompts: list, params, outputs: list) -> None:
     """Decode the same prompts plain (up to 32 tokens each) and warn when the speculative run decoded slower: a
     weak draft must not pass unnoticed. Decode speed excludes the prefill, so runs of different lengths compare."""
     from dataclasses import replace
 
+    from eyas.engine.sequence import AcceptanceCounts
     from eyas.eval.acceptance import slower_than_plain_warning
 
     with llm.plain_decoding():
@@ -65,8 +75,7 @@ def warn_if_slower_than_plain(llm, prompts: list, params, outputs: list) -> None
 
     spec_rate, plain_rate = rate(outputs), rate(plain)
     if spec_rate and plain_rate:
-        steps = sum(o.num_verify_steps for o in outputs)
-        al = 1 + sum(o.num_accepted for o in outputs) / steps if steps else 1.0
+        al = AcceptanceCounts.total(outputs).acceptance_length
         warning = slower_than_plain_warning(spec_rate / plain_rate, spec_rate, plain_rate, al)
         if warning:
             print(warning, file=sys.stderr)

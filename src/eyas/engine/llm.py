@@ -44,9 +44,10 @@ class RequestOutput:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0
-    acceptance_length: float = 1.0  # tokens per verify step: 1 + accepted / verify steps
-    accepted_per_position: list[float] = field(default_factory=list)  # acceptance rate of draft k
-    accepted_counts: list[int] = field(default_factory=list)  # verify steps whose draft k was accepted
+    acceptance_length: float = 1.0  # the draft's, at the widest width verified: 1 + sum(accepted_per_position)
+    accepted_per_position: list[float] = field(default_factory=list)  # P(drafts 0..k accepted | draft k verified)
+    accepted_counts: list[int] = field(default_factory=list)  # verify steps that accepted drafts 0..k
+    verified_counts: list[int] = field(default_factory=list)  # verify steps that verified draft k
     logprobs: list[TokenLogprobs] | None = None  # per generated token, when SamplingParams.logprobs is set
 
     @property
@@ -56,6 +57,11 @@ class RequestOutput:
     @property
     def tokens_per_second(self) -> float:
         return self.num_generated / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def tokens_per_verify_step(self) -> float:
+        """1 + accepted drafts / verify steps: what the widths verified delivered (the width policy's doing too)."""
+        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -182,14 +188,14 @@ class LLM:
         text = seq.text
         if text is None:
             text = self.tokenizer.decode(seq.generated_ids, skip_special_tokens=True) if self.tokenizer else ""
-        steps = seq.num_verify_steps
+        counts = seq.acceptance
         return RequestOutput(
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], token_ids=seq.generated_ids, text=text,
             finish_reason=seq.finish_reason or "", time_to_first_token=(seq.first_token_time or 0) - seq.arrival_time,
-            elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time, num_drafted=seq.num_drafted,
-            num_accepted=seq.num_accepted, num_verify_steps=steps, acceptance_length=seq.acceptance_length,
-            accepted_counts=list(seq.accepted_per_position),
-            accepted_per_position=[a / steps for a in seq.accepted_per_position] if steps else [],
+            elapsed=(seq.finish_time or time.perf_counter()) - seq.arrival_time, num_drafted=counts.num_drafted,
+            num_accepted=counts.num_accepted, num_verify_steps=counts.num_verify_steps,
+            acceptance_length=counts.acceptance_length, accepted_per_position=counts.rates,
+            accepted_counts=list(counts.accepted_per_position), verified_counts=list(counts.verified_per_position),
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
 
     def generate(self, prompts: Seq[str | list[int] | list[dict]] | str,

@@ -13,32 +13,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from eyas.engine.batch import ScheduledBatch, StepOutput
 from eyas.engine.kv_cache import BlockAllocator
-from eyas.engine.sequence import Sequence, Status
+from eyas.engine.sequence import AcceptanceCounts, Sequence, Status
 from eyas.engine.stop import StopChecker
-
-
-@dataclass(slots=True)
-class SpeculativeMetrics:
-    """Totals over every verify step (the counters vLLM exposes)."""
-
-    num_verify_steps: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
-
-    def as_dict(self) -> dict:
-        steps = self.num_verify_steps
-        return {"num_verify_steps": steps, "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
-                "acceptance_length": round(self.acceptance_length, 4),
-                "accepted_per_position": [round(a / steps, 4) for a in self.accepted_per_position] if steps else []}
 
 
 class Scheduler:
@@ -52,7 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.metrics = SpeculativeMetrics()
+        self.metrics = AcceptanceCounts()  # every sequence's, since start
         self.finished_early: list[Sequence] = []  # finished by schedule (out of cache), reported by the next commit
 
     def add(self, seq: Sequence) -> None:
@@ -156,16 +135,8 @@ class Scheduler:
         return finished
 
     def _count(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
-            return
-        for counts in (seq, self.metrics):
-            counts.num_verify_steps += 1
-            counts.num_drafted += num_drafts
-            counts.num_accepted += num_accepted
-            while len(counts.accepted_per_position) < num_drafts:
-                counts.accepted_per_position.append(0)
-            for j in range(num_accepted):
-                counts.accepted_per_position[j] += 1
+        seq.acceptance.add(num_drafts, num_accepted)
+        self.metrics.add(num_drafts, num_accepted)
 
     def _grow_best_effort(self, seq: Sequence, num_tokens: int) -> None:
         have = len(seq.block_table)

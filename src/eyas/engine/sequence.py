@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,77 @@ if TYPE_CHECKING:
     from eyas.engine.sampling import TokenLogprobs
 
 _ids = itertools.count()
+
+
+@dataclass(slots=True)
+class AcceptanceCounts:
+    """What verify steps did with drafts: one sequence's, or every sequence's summed (the counters vLLM exposes, and
+    how many steps reached each position). A step that verified no drafts is not a verify step.
+
+    The draft is judged per position, over the steps that verified that position: an adaptive width (or a sequence's
+    last tokens) that verifies fewer drafts leaves the later positions out instead of counting them as rejected, so
+    the same draft reports the same acceptance whatever the width policy did."""
+
+    num_verify_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: steps that accepted drafts 0..k
+    verified_per_position: list[int] = field(default_factory=list)  # [k]: steps that verified draft k
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        """One verify step that checked `num_drafts` drafts and accepted the first `num_accepted`."""
+        if num_drafts == 0:
+            return
+        self.num_verify_steps += 1
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
+        for counts in (self.accepted_per_position, self.verified_per_position):
+            counts.extend([0] * (num_drafts - len(counts)))
+        for k in range(num_drafts):
+            self.verified_per_position[k] += 1
+            self.accepted_per_position[k] += k < num_accepted
+
+    @classmethod
+    def total(cls, outputs: Iterable) -> AcceptanceCounts:
+        """The counts of finished requests (`RequestOutput`s: their accepted_counts and verified_counts), summed."""
+        totals = cls()
+        for out in outputs:
+            totals.num_verify_steps += out.num_verify_steps
+            totals.num_drafted += out.num_drafted
+            totals.num_accepted += out.num_accepted
+            for mine, theirs in ((totals.accepted_per_position, out.accepted_counts),
+                                 (totals.verified_per_position, out.verified_counts)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for k, n in enumerate(theirs):
+                    mine[k] += n
+        return totals
+
+    @property
+    def rates(self) -> list[float]:
+        """The draft's acceptance at each position it was verified at: P(drafts 0..k accepted | draft k verified)."""
+        return acceptance_rates(self.accepted_per_position, self.verified_per_position)
+
+    @property
+    def acceptance_length(self) -> float:
+        """The draft's acceptance length at the widest width verified: 1 + the sum of the per-position rates (under a
+        fixed width, tokens committed per verify step)."""
+        return 1.0 + sum(self.rates)
+
+    @property
+    def tokens_per_verify_step(self) -> float:
+        """What the verified widths delivered: 1 + accepted drafts / verify steps (the width policy's doing too)."""
+        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
+
+    def as_dict(self) -> dict:
+        return {"num_verify_steps": self.num_verify_steps, "num_drafted": self.num_drafted,
+                "num_accepted": self.num_accepted, "acceptance_length": round(self.acceptance_length, 4),
+                "accepted_per_position": [round(r, 4) for r in self.rates],
+                "tokens_per_verify_step": round(self.tokens_per_verify_step, 4)}
+
+
+def acceptance_rates(accepted: list[int], verified: list[int]) -> list[float]:
+    """Per position k: accepted[k] / verified[k], for the positions some step verified."""
+    return [a / v for a, v in zip(accepted, verified) if v]
 
 
 class Status(Enum):
@@ -51,10 +124,7 @@ class Sequence:
         self.draft_tokens: list[int] = []  # proposed last step, verified next step
         self.num_draft_computed = 0  # positions in the draft's cache
         self.pending_draft_inputs: list[torch.Tensor] = []  # step-0 inputs of positions num_draft_computed.. on
-        self.num_drafted = 0
-        self.num_accepted = 0
-        self.num_verify_steps = 0
-        self.accepted_per_position: list[int] = []  # [k]: verify steps whose draft k was accepted
+        self.acceptance = AcceptanceCounts()
         self.logprobs: list[TokenLogprobs] = []  # per generated token, when params.logprobs is set
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -75,11 +145,6 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens committed per verify step: 1 + accepted drafts / verify steps."""
-        return 1.0 + self.num_accepted / self.num_verify_steps if self.num_verify_steps else 1.0
 
     @property
     def is_finished(self) -> bool:

@@ -2,9 +2,10 @@
 
 Prompts file: JSONL records `{"category": ..., "turns": ["first user turn", ...]}` (MT-Bench style; each turn is
 sent as a chat message after the model's previous answers) or `{"category": ..., "prompt": "raw text"}`.
-Acceptance length (AL) = tokens committed per verify step = 1 + accepted drafts / verify steps, summed over a
-category's requests before dividing; acceptance at draft position k = verify steps whose draft k was accepted /
-verify steps.
+Acceptance at draft position k = verify steps that accepted draft k (and every draft before it) / verify steps that
+verified draft k, summed over a category's requests before dividing; acceptance length (AL) = 1 + the sum of the
+positions' acceptance: with every step verifying K drafts, the tokens committed per verify step (a sequence's last
+steps, which verify only the drafts its remaining tokens can use, do not count against the later positions).
 
 Loops are trivially predictable, so they inflate AL: an output is counted repetitive when more than half of its
 tokens lie inside a repeated 4-gram (one whose tokens occurred in that order earlier in the same output), and the
@@ -25,6 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from eyas.client import add_server_args
+from eyas.engine.sequence import AcceptanceCounts, acceptance_rates
 from eyas.engine_args import EngineArgs
 from eyas.paths import EXAMPLES
 from eyas.records import read_eval_prompts
@@ -128,6 +130,12 @@ class ServerOutput:
     token_ids: list[int]
     num_requests: int = 1  # more when concurrent requests are counted together
 
+    @property
+    def verified_counts(self) -> list[int]:
+        """A server's counters give only the steps that had drafts: each is taken to have verified every position
+        (vLLM's and SGLang's fixed width)."""
+        return [self.num_verify_steps] * len(self.accepted_counts)
+
 
 def evaluate_by_server(client, records: list[dict], params: SamplingParams, concurrency: int = 1) -> dict:
     """`evaluate` for a target served elsewhere (vLLM, MAX, eyas serve, SGLang). Acceptance comes from the deltas
@@ -227,7 +235,8 @@ def _from_counters(client, before: dict, after: dict, results: list) -> ServerOu
 
 
 def _totals() -> dict:
-    return {"requests": 0, "generated_tokens": 0, "verify_steps": 0, "accepted_drafts": 0, "accepted_counts": []}
+    return {"requests": 0, "generated_tokens": 0, "verify_steps": 0, "accepted_drafts": 0, "accepted_counts": [],
+            "verified_counts": []}
 
 
 def _add(c: dict, out) -> None:
@@ -235,18 +244,22 @@ def _add(c: dict, out) -> None:
     c["generated_tokens"] += out.num_generated
     c["verify_steps"] += out.num_verify_steps
     c["accepted_drafts"] += out.num_accepted
-    for k, hits in enumerate(out.accepted_counts):
-        if k == len(c["accepted_counts"]):
-            c["accepted_counts"].append(0)
-        c["accepted_counts"][k] += hits
+    _add_counts(c["accepted_counts"], out.accepted_counts)
+    _add_counts(c["verified_counts"], out.verified_counts)
+
+
+def _add_counts(totals: list[int], counts: list[int]) -> None:
+    totals.extend([0] * (len(counts) - len(totals)))
+    for k, n in enumerate(counts):
+        totals[k] += n
 
 
 def _summary(c: dict) -> dict:
     steps = c["verify_steps"]
+    rates = acceptance_rates(c["accepted_counts"], c["verified_counts"])
     summary = {"requests": c["requests"], "generated_tokens": c["generated_tokens"], "verify_steps": steps,
-               "accepted_drafts": c["accepted_drafts"],
-               "acceptance_length": round(1 + c["accepted_drafts"] / steps, 4) if steps else 1.0,
-               "accepted_per_position": [round(h / steps, 4) for h in c["accepted_counts"]] if steps else []}
+               "accepted_drafts": c["accepted_drafts"], "acceptance_length": round(1 + sum(rates), 4),
+               "accepted_per_position": [round(r, 4) for r in rates]}
     if "non_repetitive" in c and c["non_repetitive"] is None:  # concurrent requests counted together
         summary.update(repetitive_outputs=None, repetitive_share=None, acceptance_length_non_repetitive=None)
     elif "non_repetitive" in c:
@@ -267,7 +280,7 @@ def speed_against_plain(llm, prompts: list, params: SamplingParams) -> dict:
         llm.generate(prompts[:1], warm)
     llm.generate(prompts[:1], warm)
     totals = {"plain": [0, 0.0], "speculative": [0, 0.0]}
-    same, verify_steps, accepted = True, 0, 0
+    same, outputs = True, []
     for prompt in prompts:
         start = time.perf_counter()
         with llm.plain_decoding():
@@ -280,13 +293,12 @@ def speed_against_plain(llm, prompts: list, params: SamplingParams) -> dict:
         totals["speculative"][0] += spec.num_generated
         totals["speculative"][1] += end - middle
         same = same and plain.token_ids == spec.token_ids
-        verify_steps += spec.num_verify_steps
-        accepted += spec.num_accepted
+        outputs.append(spec)
     rates = {k: n / t if t > 0 else 0.0 for k, (n, t) in totals.items()}
     return {"prompts": len(prompts), "batch_size": 1, "plain_tokens_per_s": round(rates["plain"], 1),
             "speculative_tokens_per_s": round(rates["speculative"], 1),
             "speedup": round(rates["speculative"] / rates["plain"], 3) if rates["plain"] else 0.0,
-            "acceptance_length": round(1 + accepted / verify_steps, 4) if verify_steps else 1.0,
+            "acceptance_length": round(AcceptanceCounts.total(outputs).acceptance_length, 4),
             "same_tokens_as_plain": same if params.greedy else None}
 
 

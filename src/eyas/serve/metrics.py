@@ -87,8 +87,9 @@ class EngineCollector:
         m = scheduler.metrics
         # every position of the widest draft, at 0 before a draft has reached it; a copy, as the engine thread may
         # be lengthening the list
-        per_pos = list(m.accepted_per_position)
-        per_pos = [per_pos[k] if k < len(per_pos) else 0 for k in range(self.llm.speculative_config.max_num_tokens)]
+        width = self.llm.speculative_config.max_num_tokens
+        per_pos = _padded(list(m.accepted_per_position), width)
+        verified = _padded(list(m.verified_per_position), width)
         for prefix in ("eyas", "vllm"):
             for name, value, help in (
                     ("spec_decode_num_drafts", m.num_verify_steps, "Verify steps that checked drafts."),
@@ -101,7 +102,20 @@ class EngineCollector:
             for pos, n in enumerate(per_pos):
                 family.add_metric([self.model_name, str(pos)], n)
             yield family
+        # eyas's own: an adaptive width verifies fewer positions on some steps, so the draft's acceptance at position
+        # k is accepted_tokens_per_pos[k] / verified_tokens_per_pos[k], not / num_drafts
+        family = CounterMetricFamily("eyas:spec_decode_num_verified_tokens_per_pos",
+                                     "Verify steps that verified the draft at this position.",
+                                     labels=["model_name", "position"])
+        for pos, n in enumerate(verified):
+            family.add_metric([self.model_name, str(pos)], n)
+        yield family
 
     def _family(self, family: GaugeMetricFamily | CounterMetricFamily, value: float) -> Metric:
         family.add_metric([self.model_name], value)
         return family
+
+
+def _padded(counts: list[int], width: int) -> list[int]:
+    """Every position of the widest draft, at 0 before a draft has reached it."""
+    return [counts[k] if k < len(counts) else 0 for k in range(width)]
