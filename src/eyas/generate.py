@@ -59,21 +59,25 @@ def acceptance_summary(out) -> str:
 
 
 def warn_if_slower_than_plain(llm, prompts: list, params, outputs: list) -> None:
-    """Decode the same prompts plain (up to 32 tokens each) and warn when the speculative run decoded slower: a
-    weak draft must not pass unnoticed. Decode speed excludes the prefill, so runs of different lengths compare."""
+    """Decode the same prompts plain and speculative again (up to 32 tokens each) and warn when the speculative run
+    decoded slower: a weak draft must not pass unnoticed. The user's own run is not the one timed: it paid the
+    process's first calls and the adaptive width's trials of every width, which a short output does not amortize.
+    Decode speed excludes the prefill, so runs of different lengths compare."""
     from dataclasses import replace
 
     from eyas.engine.sequence import AcceptanceCounts
     from eyas.eval.acceptance import slower_than_plain_warning
 
+    short = replace(params, max_tokens=min(params.max_tokens, 32))
     with llm.plain_decoding():
-        plain = llm.generate(prompts, replace(params, max_tokens=min(params.max_tokens, 32)))
+        plain = llm.generate(prompts, short)
+    speculative = llm.generate(prompts, short)
 
     def rate(outs) -> float:
         rates = [o.decode_tokens_per_second for o in outs if o.num_generated > 1]
         return sum(rates) / len(rates) if rates else 0.0
 
-    spec_rate, plain_rate = rate(outputs), rate(plain)
+    spec_rate, plain_rate = rate(speculative), rate(plain)
     if spec_rate and plain_rate:
         al = AcceptanceCounts.total(outputs).acceptance_length
         warning = slower_than_plain_warning(spec_rate / plain_rate, spec_rate, plain_rate, al)
