@@ -308,9 +308,8 @@ def save_dflash_draft(draft: DFlashDraft, path: str | Path, dtype: torch.dtype |
     """Write a DFlash draft in z-lab's layout, which vLLM (`method: dflash`) and SGLang load: its own weights only
     (the target's embedding and lm_head are the engine's)."""
     dtype = dtype or draft.fc.weight.dtype
-    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in draft.state_dict().items()
-               if k not in DFLASH_SHARED_WEIGHTS}
-    return _write_checkpoint(Path(path), tensors, {**draft.config.to_hf(), "torch_dtype": str(dtype).split(".")[-1]})
+    tensors = _dflash_tensors(draft, dtype, with_shared=False)
+    return _write_checkpoint(Path(path), tensors, {**draft.config.to_hf(), "torch_dtype": DTYPE_NAMES[dtype]})
 
 
 def save_dflash_speculators(draft: DFlashDraft, path: str | Path, dtype: torch.dtype | None = None,
@@ -319,11 +318,16 @@ def save_dflash_speculators(draft: DFlashDraft, path: str | Path, dtype: torch.d
     names and copies of the target's embedding and lm_head (eyas.models.dflash says why). `verifier` names the
     target; `num_speculative_tokens` (default block_size - 1) is the K vLLM runs."""
     dtype = dtype or draft.fc.weight.dtype
-    # copies: the embedding and lm_head are the target's own tensors (tied ones, one), which safetensors refuses
-    tensors = {k: v.detach().to("cpu", dtype=dtype, copy=True).contiguous() for k, v in draft.state_dict().items()}
     config = speculators_dflash_config(draft.config, SPECULATORS_VERSION, verifier, num_speculative_tokens,
-                                       DTYPE_NAMES.get(dtype, "float32"))
-    return _write_checkpoint(Path(path), tensors, config)
+                                       DTYPE_NAMES[dtype])
+    return _write_checkpoint(Path(path), _dflash_tensors(draft, dtype, with_shared=True), config)
+
+
+def _dflash_tensors(draft: DFlashDraft, dtype: torch.dtype, with_shared: bool) -> dict[str, torch.Tensor]:
+    """The draft's weights in `dtype`, each its own CPU copy (the shared embedding and lm_head are the target's
+    tensors, tied ones a single one, which safetensors refuses); the shared ones only `with_shared`."""
+    return {k: v.detach().to("cpu", dtype=dtype, copy=True).contiguous() for k, v in draft.state_dict().items()
+            if with_shared or k not in DFLASH_SHARED_WEIGHTS}
 
 
 def stored_dtype(path: str | Path) -> torch.dtype | None:

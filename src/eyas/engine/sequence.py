@@ -72,11 +72,8 @@ class AcceptanceCounts:
             totals.num_verify_steps += out.num_verify_steps
             totals.num_drafted += out.num_drafted
             totals.num_accepted += out.num_accepted
-            for mine, theirs in ((totals.accepted_per_position, out.accepted_counts),
-                                 (totals.verified_per_position, out.verified_counts)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for k, n in enumerate(theirs):
-                    mine[k] += n
+            add_counts(totals.accepted_per_position, out.accepted_counts)
+            add_counts(totals.verified_per_position, out.verified_counts)
         return totals
 
     @property
@@ -100,6 +97,13 @@ class AcceptanceCounts:
                 "num_accepted": self.num_accepted, "acceptance_length": round(self.acceptance_length, 4),
                 "accepted_per_position": [round(r, 4) for r in self.rates],
                 "tokens_per_verify_step": round(self.tokens_per_verify_step, 4)}
+
+
+def add_counts(totals: list[int], counts: list[int]) -> None:
+    """totals[k] += counts[k] for every position, growing totals to the longer of the two."""
+    totals.extend([0] * (len(counts) - len(totals)))
+    for k, n in enumerate(counts):
+        totals[k] += n
 
 
 def acceptance_rates(accepted: list[int], verified: list[int]) -> list[float]:

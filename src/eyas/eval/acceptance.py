@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from eyas.client import add_server_args
-from eyas.engine.sequence import AcceptanceCounts, acceptance_rates
+from eyas.engine.sequence import AcceptanceCounts, acceptance_rates, add_counts
 from eyas.engine_args import EngineArgs
 from eyas.paths import EXAMPLES
 from eyas.records import read_eval_prompts
@@ -244,14 +244,8 @@ def _add(c: dict, out) -> None:
     c["generated_tokens"] += out.num_generated
     c["verify_steps"] += out.num_verify_steps
     c["accepted_drafts"] += out.num_accepted
-    _add_counts(c["accepted_counts"], out.accepted_counts)
-    _add_counts(c["verified_counts"], out.verified_counts)
-
-
-def _add_counts(totals: list[int], counts: list[int]) -> None:
-    totals.extend([0] * (len(counts) - len(totals)))
-    for k, n in enumerate(counts):
-        totals[k] += n
+    add_counts(c["accepted_counts"], out.accepted_counts)
+    add_counts(c["verified_counts"], out.verified_counts)
 
 
 def _summary(c: dict) -> dict:
