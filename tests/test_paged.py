@@ -293,14 +293,15 @@ def test_the_allocator_never_hands_out_a_block_twice(num_lanes):
 
 def test_lane_views_compute_what_gathering_computes():
     """Attention over tables from a churned lane allocator: read in place (lanes, runs) it equals the gathered
-    path, for the latent (MLA) and the per-head (MHA) cache, with both paths exercised."""
+    path, for the latent (MLA) and the per-head (MHA) cache, with both paths exercised, and with batches split into
+    the sequences read in place and those gathered (past their lane, or given none)."""
     import random
 
-    from eyas.models.attention import paged_attention, paged_latent_attention
+    from eyas.models.attention import SHORT_QUERY, paged_attention, paged_latent_attention
 
     rng = random.Random(3)
     torch.manual_seed(3)
-    in_place = gathered = 0
+    in_place = gathered = split = 0
     for _ in range(300):
         block_size = rng.choice([4, 16])
         alloc = BlockAllocator(rng.randint(8, 80), block_size, num_lanes=rng.choice([2, 4, 8]))
@@ -321,6 +322,8 @@ def test_lane_views_compute_what_gathering_computes():
         gather = AttentionMetadata.build(q_lens, seq_lens, live, block_size)
         in_place += sum(g.kv_view is not None for g in lanes.groups if g.query_rows.shape[0] > 1)
         gathered += sum(g.kv_view is None for g in lanes.groups)
+        short = [g for g in lanes.groups if g.query_rows.shape[1] <= SHORT_QUERY]
+        split += len(short) == 2 and short[0].kv_view is not None and short[1].kv_view is None
         assert torch.equal(lanes.slot_mapping, gather.slot_mapping)
         latent = torch.randn(alloc.num_blocks * block_size, 24)
         q = torch.randn(sum(q_lens), 3, 24)
@@ -330,7 +333,7 @@ def test_lane_views_compute_what_gathering_computes():
         q = torch.randn(sum(q_lens), 4, 8)
         torch.testing.assert_close(paged_attention(q, kv, lanes, 0.3), paged_attention(q, kv, gather, 0.3),
                                    rtol=1e-5, atol=1e-5)
-    assert in_place > 30 and gathered > 30, (in_place, gathered)
+    assert in_place > 30 and gathered > 30 and split > 10, (in_place, gathered, split)
 
 
 def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):

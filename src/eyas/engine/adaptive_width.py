@@ -1,27 +1,39 @@
 """The verify width chosen by measurement (Modular MAX's adaptive policy), not by a batch-size threshold.
 
-Per power-of-two bucket of running sequences, two kinds of exponential moving averages: the step time at each width
-w (w = 0: no drafts verified), weight `alpha` on each new step, and per draft position k the rate q_k at which the
-first k drafts are all accepted, weight `alpha_per_trial` on each sequence that drafted k or more (so a step of 16
-sequences moves q_k as much as 16 steps of one: at batch 1 each trial is a coin flip), the plain mean of the trials
-so far until there are 1 / alpha_per_trial of them (a first unlucky trial must not park a position at 0: positions
-past the chosen width are measured only on probes). A step at width w yields
+Per power-of-two bucket of running sequences: the step times at each width w (w = 0: no drafts verified, no draft
+work), the last `window` of each, and per draft position k the rate q_k at which the first k drafts are all accepted
+(an EMA, weight `alpha_per_trial` on each sequence that drafted k or more, so a step of 16 sequences moves q_k as much
+as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the trials so far until there are
+1 / alpha_per_trial of them, so a first unlucky trial cannot park a position at 0). A step at width w yields
 1 + q_1 + ... + q_w tokens per sequence, so the width with the most tokens per second maximises
 
     (1 + q_1 + ... + q_w) / time(w)
 
-Widths not timed yet in a bucket are tried first (widest first); a new best replaces the current width only when
-it beats it by `margin`; every `probe_every` steps the widest width runs once, so the acceptance of the far
-positions (only measured when drafted) stays fresh. The width changes only how many drafts are verified: outputs
-are the same at every width (greedy: token for token; sampling: in distribution).
+time(w) is the median of width w's recent steps where it has `min_samples` of them (a median: one step slowed by
+another process does not move it), else read off the least-squares line through the medians of every width timed so
+far: a step's time grows about linearly with the width (w more verify rows per sequence, w draft forwards; measured
+on the bundled target at 4, 16 and 32 sequences), so the widths probed inform the ones not run lately.
+
+Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
+when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
+by `margin`; every `probe_every` steps a neighbour of the current width runs for two steps (the first proposes its
+drafts, the second verifies them and is timed), the wider and the narrower in turn, so the line and the acceptance
+of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. The width
+changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
+in distribution).
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
-per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2.
+per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
+against 3 and 1 in turn.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+
+MAX_TRIES = 4  # steps a width is tried while untimed; then the line through the timed widths speaks for it
 
 
 def bucket_of(batch_size: int) -> int:
@@ -31,49 +43,72 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass(slots=True)
 class _Bucket:
-    step_time: list[float | None]  # EMA of seconds per step at each width 0..max
+    samples: list[deque[float]]  # the last `window` step times (seconds) at each width 0..max
     accepted_rate: list[float | None]  # EMA of q_k for k = 1..max (index k - 1)
     trials: list[int]  # sequences that drafted k or more so far, per k
+    tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the step
+    # before chose the same width and no sequence was cut short, so tries are bounded, not repeated until one counts)
     width: int
-    steps: int = 0
+    calls: int = 0  # widths chosen so far
 
 
 @dataclass
 class AdaptiveWidth:
     max_width: int
-    alpha: float = 0.2
     alpha_per_trial: float = 0.02
     margin: float = 0.02
-    probe_every: int = 50
+    probe_every: int = 64
+    window: int = 16
+    min_samples: int = 4
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_width < 1 or not 0 < self.alpha <= 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 \
-                or self.probe_every < 1:
-            raise ValueError("AdaptiveWidth needs max_width >= 1, alpha and alpha_per_trial in (0, 1], margin >= 0, "
-                             "probe_every >= 1")
+        if self.max_width < 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 or self.probe_every < 2 \
+                or self.window < 1 or not 1 <= self.min_samples <= self.window:
+            raise ValueError("AdaptiveWidth needs max_width >= 1, alpha_per_trial in (0, 1], margin >= 0, "
+                             "probe_every >= 2, window >= 1 and min_samples in 1..window")
 
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self.buckets:
-            self.buckets[key] = _Bucket([None] * (self.max_width + 1), [None] * self.max_width, [0] * self.max_width,
-                                        self.max_width)
+            self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(self.max_width + 1)],
+                                        [None] * self.max_width, [0] * self.max_width,
+                                        [0] * (self.max_width + 1), self.max_width)
         return self.buckets[key]
 
     def width(self, batch_size: int) -> int:
         """The width the next step of a batch of `batch_size` sequences should verify."""
         bucket = self._bucket(batch_size)
-        untimed = [w for w in range(self.max_width, -1, -1) if bucket.step_time[w] is None]
-        if untimed:
-            return untimed[0]
-        if bucket.steps % self.probe_every == self.probe_every - 1:
-            return self.max_width
+        bucket.calls += 1
+        for w in range(self.max_width, -1, -1):
+            if not bucket.samples[w] and bucket.tries[w] < MAX_TRIES:
+                bucket.tries[w] += 1
+                return w
+        # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed
+        if bucket.calls % self.probe_every >= self.probe_every - 2:
+            wider = (bucket.calls // self.probe_every) % 2 == 0
+            if bucket.width == 0 or (wider and bucket.width < self.max_width):
+                return bucket.width + 1
+            return bucket.width - 1
         return bucket.width
 
+    def step_times(self, batch_size: int) -> list[float | None]:
+        """The seconds per step the choice is made on, at each width (None before any width is timed)."""
+        samples = self._bucket(batch_size).samples
+        medians = [statistics.median(s) if s else None for s in samples]
+        timed = [w for w, m in enumerate(medians) if m is not None]
+        if len(timed) < 2:
+            return medians
+        mean_w, mean_t = statistics.fmean(timed), statistics.fmean(medians[w] for w in timed)
+        spread = sum((w - mean_w) ** 2 for w in timed)
+        slope = sum((w - mean_w) * (medians[w] - mean_t) for w in timed) / spread
+        return [medians[w] if len(samples[w]) >= self.min_samples
+                else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
+
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
-        """The estimate the choice is made on, for one sequence at `width` (None until that width is timed)."""
+        """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""
         bucket = self._bucket(batch_size)
-        seconds = bucket.step_time[width]
+        seconds = self.step_times(batch_size)[width]
         if seconds is None:
             return None
         rates = [q if q is not None else 0.0 for q in bucket.accepted_rate[:width]]
@@ -84,9 +119,7 @@ class AdaptiveWidth:
         """One decode step of a batch of `batch_size` sequences at `width` took `seconds`; per sequence, how many
         drafts it verified and how many of them were accepted."""
         bucket = self._bucket(batch_size)
-        bucket.steps += 1
-        old = bucket.step_time[width]
-        bucket.step_time[width] = seconds if old is None else old + self.alpha * (seconds - old)
+        bucket.samples[width].append(seconds)
         for k in range(1, self.max_width + 1):
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
             if tried:
@@ -95,7 +128,7 @@ class AdaptiveWidth:
                 bucket.trials[k - 1] += len(tried)
                 weight = max(1 - (1 - self.alpha_per_trial) ** len(tried), len(tried) / bucket.trials[k - 1])
                 bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
-        if any(t is None for t in bucket.step_time):
+        if sum(1 for samples in bucket.samples if samples) < 2:
             return
         scores = [self.tokens_per_second(batch_size, w) for w in range(self.max_width + 1)]
         best = max(range(self.max_width + 1), key=lambda w: scores[w])

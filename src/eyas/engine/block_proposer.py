@@ -94,7 +94,7 @@ class BlockProposer(Proposer):
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
         per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)  # the fused target states kept this step
-        paused = self._paused(seqs, per_seq, width)
+        paused = self._paused(seqs, per_seq, num_computed, width)
         if paused is not None:
             return paused
 

@@ -113,7 +113,7 @@ class Proposer:
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
         per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)
-        paused = self._paused(seqs, per_seq, width)
+        paused = self._paused(seqs, per_seq, num_computed, width)
         if paused is not None:
             return paused
 
@@ -161,10 +161,12 @@ class Proposer:
         fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
         return list(fused.split([len(k) for k in kept]))
 
-    def _paused(self, seqs: list[Sequence], per_seq: list[torch.Tensor], width: int) -> Proposal | None:
+    def _paused(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int],
+                width: int) -> Proposal | None:
         """At width 0, while no sequence keeps more than MAX_PENDING_ROWS inputs: no draft work, the inputs kept
         for when drafting resumes (copies: a view would keep the whole step's rows alive). Else None."""
-        pending = [sum(t.shape[0] for t in s.pending_draft_inputs) + x.shape[0] for s, x in zip(seqs, per_seq)]
+        # the kept inputs are those of the positions the target computed and the draft did not
+        pending = [end - s.num_draft_computed for s, end in zip(seqs, num_computed)]
         if width == 0 and max(pending) <= MAX_PENDING_ROWS:
             return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
                             [x.clone() for x in per_seq], False)

@@ -106,8 +106,8 @@ class MLAttention(nn.Module):
         if not chunks:
             return self.o_proj(self._absorbed_attention(q_nope, q_rope, latent_cache, attn, short).flatten(-2))
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
-        if short:  # one group holds every short row; only they go through the absorbed form
-            rows = short[0].rows
+        if short:  # one or two groups (see attention._split_at_lanes) hold the short rows; only they are absorbed
+            rows = short[0].rows if len(short) == 1 else torch.cat([g.rows for g in short])
             out[rows] = self._absorbed_attention(q_nope, q_rope, latent_cache, attn, short, rows)
         for group in chunks:
             rows = slice(group.first_row, group.first_row + group.query_rows.shape[1])

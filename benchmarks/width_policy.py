@@ -1,0 +1,121 @@
+"""The adaptive verify width against every fixed width, and against plain decoding, at several concurrencies, in one
+run on a warm engine (as a server runs: its width policy has seen traffic before the timed requests).
+
+    python benchmarks/width_policy.py                                  # bundled target + MLA draft, c = 1 4 16 32
+    python benchmarks/width_policy.py --concurrency 16 32 --rounds 5 --out report.json
+
+Per concurrency c: the first c prompts of --prompts run at once (greedy, --new-tokens each, ignore_eos), through a
+plain engine, an engine verifying a fixed width w for every w in 0..K, and the adaptive one. Each engine is warmed at
+that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so a slow
+spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
+output tok/s of each, the best fixed width in hindsight, adaptive / best fixed and speculative / plain, and the
+widths the adaptive policy chose (share of decode steps at each). Greedy outputs of every engine are checked equal
+to plain's, token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+from eyas import LLM, SamplingParams
+from eyas.config import SpeculativeConfig
+from eyas.paths import DEFAULT_DRAFT, DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
+from eyas.records import read_prompt_file
+
+
+def engines(args: argparse.Namespace) -> dict[str, LLM]:
+    """name -> engine: plain, fixed-0..fixed-K, adaptive; one lane per sequence up to the largest concurrency."""
+    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads)
+    out = {"plain": LLM(args.model, **common)}
+    top = max(args.concurrency)
+    for w in range(args.num_speculative_tokens + 1):
+        rule = [{"batch_start": 1, "batch_end": top, "num_tokens": w}]
+        config = SpeculativeConfig(method="eagle", draft_model=str(args.draft_model),
+                                   num_speculative_tokens=args.num_speculative_tokens,
+                                   num_speculative_tokens_per_batch_size=rule)
+        out[f"fixed-{w}"] = LLM(args.model, speculative_config=config, **common)
+    config = SpeculativeConfig(method="eagle", draft_model=str(args.draft_model),
+                               num_speculative_tokens=args.num_speculative_tokens, adaptive_width=True)
+    out["adaptive"] = LLM(args.model, speculative_config=config, **common)
+    return out
+
+
+def count_widths(llm: LLM) -> Counter:
+    """Wrap the proposer's width choice so each decode step's width is counted (the counter is returned)."""
+    proposer, widths = llm.runner.proposer, Counter()
+    choose = proposer.width
+
+    def counted(batch):
+        width = choose(batch)
+        if not batch.prefill_next and all(n <= 1 + width for n in batch.num_new_tokens):
+            widths[width] += 1
+        return width
+
+    proposer.width = counted
+    return widths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT)
+    ap.add_argument("--prompts", type=Path, default=DEFAULT_EVAL_PROMPTS)
+    ap.add_argument("--num-speculative-tokens", type=int, default=3, help="K: the widest width (default 3)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--new-tokens", type=int, default=96, help="tokens generated per request (default 96)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is kept (default 3)")
+    ap.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency (default 2)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, help="write the report here as JSON")
+    args = ap.parse_args()
+
+    prompts = read_prompt_file(args.prompts)
+    llms = engines(args)
+    widths = count_widths(llms["adaptive"])
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    report = {"model": str(args.model), "draft_model": str(args.draft_model), "new_tokens": args.new_tokens,
+              "rounds": args.rounds, "results": {}}
+    for c in args.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        for llm in llms.values():
+            for _ in range(args.warmup_runs):
+                llm.generate(batch, params, use_tqdm=False)
+        widths.clear()
+        seconds: dict[str, list[float]] = {name: [] for name in llms}
+        reference = None
+        for _ in range(args.rounds):
+            for name, llm in llms.items():
+                start = time.perf_counter()
+                outs = llm.generate(batch, params, use_tqdm=False)
+                seconds[name].append(time.perf_counter() - start)
+                tokens = [o.token_ids for o in outs]
+                reference = reference or tokens
+                if tokens != reference:
+                    raise SystemExit(f"c={c}: {name}'s greedy output differs from plain decoding's")
+        tok_s = {name: c * args.new_tokens / statistics.median(s) for name, s in seconds.items()}
+        fixed = {name: v for name, v in tok_s.items() if name.startswith("fixed-")}
+        best = max(fixed, key=fixed.get)
+        spec_best = max(tok_s["adaptive"], fixed[best])
+        steps = sum(widths.values())
+        shares = {w: round(n / steps, 3) for w, n in sorted(widths.items())} if steps else {}
+        report["results"][c] = {"tok_s": {k: round(v, 1) for k, v in tok_s.items()}, "best_fixed": best,
+                                "adaptive_over_best_fixed": round(tok_s["adaptive"] / fixed[best], 3),
+                                "adaptive_over_plain": round(tok_s["adaptive"] / tok_s["plain"], 3),
+                                "best_speculative_over_plain": round(spec_best / tok_s["plain"], 3),
+                                "adaptive_width_shares": shares}
+        cells = "  ".join(f"{k} {v:.0f}" for k, v in tok_s.items())
+        print(f"c={c}: tok/s {cells}")
+        print(f"      adaptive / best fixed ({best}) {tok_s['adaptive'] / fixed[best]:.3f}, adaptive / plain "
+              f"{tok_s['adaptive'] / tok_s['plain']:.3f}; adaptive widths (share of decode steps) {shares}",
+              flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
