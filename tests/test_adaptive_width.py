@@ -29,7 +29,8 @@ def test_every_width_is_timed_widest_first_then_the_best_is_kept():
     assert widths[:4] == [3, 2, 1, 0]
     # tokens/s per sequence: w0 1/10, w1 1.8/14 = 0.129, w2 2.4/17 = 0.141, w3 2.6/21 = 0.124
     assert widths[4:] == [2] * 6
-    assert policy.tokens_per_second(5, 2) == pytest.approx(2.4 / 0.017)
+    # per sequence, with the step time scaled to the bucket's size (5 sequences time bucket 8)
+    assert policy.tokens_per_second(5, 2) == pytest.approx(2.4 / (0.017 * 8 / 5))
 
 
 def test_neighbours_are_probed_in_turn_and_a_better_one_taken_only_past_the_margin():
@@ -170,3 +171,16 @@ def test_a_width_whose_steps_are_never_timed_is_tried_a_few_times_only():
     policy = AdaptiveWidth(max_width=3)
     widths = [policy.width(8) for _ in range(4 * MAX_TRIES + 5)]
     assert widths == [3] * MAX_TRIES + [2] * MAX_TRIES + [1] * MAX_TRIES + [0] * MAX_TRIES + [3] * 5
+
+
+def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():
+    """Bucket 32 holds steps of 17 to 32 sequences. Width 1 timed while 17 ran (49 ms) against width 0 while 32 ran
+    (55 ms): scaled to 32 sequences width 1's step is 92 ms, and 1.64 tokens per 92 ms lose to 1 per 55 ms, so the
+    width stays 0; unscaled, 1.64 per 49 ms would win."""
+    policy = AdaptiveWidth(max_width=1, min_samples=1, probe_every=1000)
+    policy.observe(32, 0, 0.055, [(0, 0)] * 32)
+    policy.observe(17, 1, 0.049, [(1, 1)] * 11 + [(1, 0)] * 6)  # q_1 = 11/17 = 0.65
+    policy.buckets[32].width = 0
+    policy.observe(32, 0, 0.055, [(0, 0)] * 32)
+    assert policy.step_times(32) == pytest.approx([0.055, 0.049 * 32 / 17])
+    assert policy.width(32) == 0

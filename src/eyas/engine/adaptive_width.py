@@ -9,10 +9,11 @@ as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the 
 
     (1 + q_1 + ... + q_w) / time(w)
 
-time(w) is the median of width w's recent steps where it has `min_samples` of them (a median: one step slowed by
-another process does not move it), else read off the least-squares line through the medians of every width timed so
-far: a step's time grows about linearly with the width (w more verify rows per sequence, w draft forwards; measured
-on the bundled target at 4, 16 and 32 sequences), so the widths probed inform the ones not run lately.
+time(w) is the median of width w's recent steps (each scaled to the bucket's size: time x bucket / sequences) where
+it has `min_samples` of them (a median: one step slowed by another process does not move it), else read off the
+least-squares line through the medians of every width timed so far: a step's time grows about linearly with the
+width (w more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32
+sequences), so the widths probed inform the ones not run lately.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
@@ -119,7 +120,9 @@ class AdaptiveWidth:
         """One decode step of a batch of `batch_size` sequences at `width` took `seconds`; per sequence, how many
         drafts it verified and how many of them were accepted."""
         bucket = self._bucket(batch_size)
-        bucket.samples[width].append(seconds)
+        # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
+        # fewer ran must not look cheaper for it
+        bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
         for k in range(1, self.max_width + 1):
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
             if tried:
