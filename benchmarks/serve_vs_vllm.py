@@ -3,21 +3,26 @@ vLLM), each server started alone and driven by `eyas bench serve --base-url` wit
 
     python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--concurrency 1 4 16 32]
 
-prints output tok/s and mean TPOT per server and concurrency, and each one's ratio to vLLM plain at the same
-concurrency. vLLM's set-up as in benchmarks/vllm_interop.py (its own virtualenv; float32, eager, its CPU MLA
-kernel). eyas serve runs with its defaults (the adaptive verify width).
+prints output tok/s and mean TPOT per server and concurrency, and each one's ratio to vLLM plain in its default
+mode at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
+vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
+benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). eyas serve runs with its defaults
+(the adaptive verify width). A server that does not start is reported with its log and the others still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
+
+SERVERS = ["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft", "vllm-plain-eager", "vllm-draft-eager"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -28,8 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--startup-timeout", type=float, default=600)
-    p.add_argument("--servers", nargs="+", default=["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft"],
-                   choices=["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft"])
+    p.add_argument("--servers", nargs="+", default=SERVERS, choices=SERVERS)
     p.add_argument("--work-dir", type=Path)
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     return p.parse_args()
@@ -54,29 +58,46 @@ def bench(args: argparse.Namespace, url: str, out: Path) -> list[dict]:
     return json.loads(out.read_text())["runs"]
 
 
+def cpu_model() -> str:
+    """The CPU's model name and whether it has AMX and AVX-512 (from /proc/cpuinfo), for the report."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return f"{name}, {os.cpu_count()} CPUs, AVX-512 {'avx512f' in flags}, AMX {'amx_tile' in flags}"
+
+
 def main() -> int:
     args = parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="eyas-serve-vs-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     exported = work / "draft-vllm"
-    if "vllm-draft" in args.servers:
+    if any(name.startswith("vllm-draft") for name in args.servers):
         subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(DRAFT), str(exported), "--format", "vllm",
                         "--target", str(TARGET)], check=True)
     results: dict[str, dict[int, dict]] = {}
+    failed: dict[str, str] = {}
     for name in args.servers:
         log = work / f"{name}.log"
-        if name.startswith("eyas"):
-            server, url = start_eyas(args, name == "eyas-draft", log)
-        else:
-            server, url = start_vllm(args, exported if name == "vllm-draft" else None, log,
-                                     max_num_seqs=max(args.concurrency))
+        try:
+            if name.startswith("eyas"):
+                server, url = start_eyas(args, name == "eyas-draft", log)
+            else:
+                server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
+                                         max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"))
+        except RuntimeError as error:
+            failed[name] = f"{error}: {log.read_text()[-2000:]}"
+            print(f"{name} did not start: {error}", file=sys.stderr)
+            continue
         try:
             runs = bench(args, url, work / f"{name}.json")
         finally:
             stop(server)
         results[name] = {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
                                             "acceptance_length": r["acceptance_length"]} for r in runs}
-    base = results.get("vllm-plain")
+    base = results.get("vllm-plain") or results.get("vllm-plain-eager")
     print(f"{'server':12s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain)  TPOT ms" for c in args.concurrency))
     for name, by_c in results.items():
         cells = []
@@ -87,7 +108,8 @@ def main() -> int:
         print(f"{name:12s}" + "".join(cells))
     if args.out:
         args.out.write_text(json.dumps({"concurrency": args.concurrency, "num_prompts": args.num_prompts,
-                                        "output_len": args.output_len, "results": results}, indent=2) + "\n")
+                                        "output_len": args.output_len, "cpu": cpu_model(), "results": results,
+                                        "did_not_start": failed}, indent=2) + "\n")
     return 0
 
 

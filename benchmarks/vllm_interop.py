@@ -203,14 +203,17 @@ NO_AMX = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
 
 def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: list[str] | None = None,
                sitecustomize: str = "", max_num_seqs: int = 1, model: Path = TARGET,
-               speculative: dict | None = None) -> tuple[subprocess.Popen, str]:
+               speculative: dict | None = None, eager: bool = True) -> tuple[subprocess.Popen, str]:
     """A vLLM server for `model` (with `draft` as its EAGLE-3 draft, or the `speculative` config, and `extra`
     arguments); its URL. Every vLLM process runs NO_AMX and `sitecustomize` first (a sitecustomize.py on its
-    PYTHONPATH)."""
+    PYTHONPATH). `eager`: --enforce-eager (starts in seconds); else vLLM's default, which compiles its step (its
+    CPU build traces it once with Dynamo and inductor, about 2 minutes at the first start, then cached)."""
     port = free_port()
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), *(extra or [])]
+    if eager:
+        command.append("--enforce-eager")
     if draft is not None:
         speculative = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.num_speculative_tokens}
     if speculative is not None:
