@@ -165,27 +165,22 @@ def paged_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def test_long_chunks_and_short_rows_in_one_step(model):
-    """A step mixing prompt chunks longer than SHORT_QUERY (each attended as its own group) with short rows (padded
-    together), the long ones in the middle of the flat batch: logits equal the no-cache forward."""
-    from eyas.models.attention import SHORT_QUERY
-
-    torch.manual_seed(1)
+def run_steps(model, steps: tuple[list[int], ...]) -> tuple[float, list[list[int]]]:
+    """Each step's query lengths (one per sequence) through the paged forward, chunk after chunk of random
+    sequences: the largest difference from the no-cache forward's logits, and each step's groups' query lengths."""
     block_size = 4
-    steps = ([2, SHORT_QUERY + 9, 3], [SHORT_QUERY + 1, 1, SHORT_QUERY + 2], [9, 20, 1], [1, 1, 1])
-    lengths = [sum(step[b] for step in steps) for b in range(3)]
+    lengths = [sum(step[b] for step in steps) for b in range(len(steps[0]))]
     seqs = [torch.randint(0, 96, (n,)).tolist() for n in lengths]
     alloc = BlockAllocator(num_blocks=64, block_size=block_size)
     cache = LatentCache(model.config.num_hidden_layers, 64, block_size, model.config.latent_dim, torch.float32)
     tables = [[] for _ in seqs]
     for b, n in enumerate(lengths):
         alloc.grow(tables[b], n)
-    computed = [0, 0, 0]
-    worst = 0.0
-    # (query lengths per sequence) per step: long-short-long, then short-long-short, then decode rows
+    computed = [0] * len(seqs)
+    worst, groups = 0.0, []
     for q_lens in steps:
         attn = AttentionMetadata.build(q_lens, [c + q for c, q in zip(computed, q_lens)], tables, block_size)
-        assert len(attn.groups) == 1 + sum(q > SHORT_QUERY for q in q_lens)
+        groups.append(sorted(g.query_rows.shape[1] for g in attn.groups))
         ids = [t for b, q in enumerate(q_lens) for t in seqs[b][computed[b]:computed[b] + q]]
         with torch.no_grad():
             logits = model.compute_logits(model.model(torch.tensor(ids), attn, cache)[0])
@@ -195,7 +190,29 @@ def test_long_chunks_and_short_rows_in_one_step(model):
             worst = max(worst, (logits[start:start + q] - ref).abs().max().item())
             start += q
             computed[b] += q
-    assert computed == lengths and worst < 1e-4, worst
+    return worst, groups
+
+
+def test_long_chunks_and_short_rows_in_one_step(model):
+    """A step mixing prompt chunks longer than SHORT_QUERY (each attended as its own group) with short rows (padded
+    together), the long ones in the middle of the flat batch: logits equal the no-cache forward."""
+    from eyas.models.attention import SHORT_QUERY
+
+    torch.manual_seed(1)
+    # (query lengths per sequence) per step: long-short-long, then short-long-short, then decode rows
+    steps = ([2, SHORT_QUERY + 9, 3], [SHORT_QUERY + 1, 1, SHORT_QUERY + 2], [9, 20, 1], [1, 1, 1])
+    worst, groups = run_steps(model, steps)
+    assert [len(g) for g in groups] == [1 + sum(q > SHORT_QUERY for q in q_lens) for q_lens in steps]
+    assert worst < 1e-4, worst
+
+
+def test_a_long_tail_beside_short_rows_attends_alone(model):
+    """A prompt's last chunk of up to SHORT_QUERY rows beside verify rows of 2-3 (four sequences): the tail gets a
+    group of its own instead of padding every sequence to its length; logits equal the no-cache forward."""
+    torch.manual_seed(2)
+    worst, groups = run_steps(model, ([2, 2, 12, 2], [1, 1, 1, 1], [3, 14, 3, 3]))
+    assert groups == [[2, 12], [1], [3, 14]]
+    assert worst < 1e-4, worst
 
 
 def test_paged_mha_attention_with_groups():

@@ -96,14 +96,26 @@ class AttentionMetadata:
         positions = (s_lens - q_lens)[seq_of_row] + torch.arange(len(seq_of_row)) - starts[seq_of_row]
         slot_mapping = slots[seq_of_row, positions]
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
-        members = _split_at_lanes(short, seq_lens, geometry) + [[b] for b, q in enumerate(query_lens)
-                                                                if q > SHORT_QUERY]
+        tails = _long_tails(short, query_lens)
+        members = (_split_at_lanes([b for b in short if b not in tails], seq_lens, geometry)
+                   + [[b] for b in tails] + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY])
         starts_list = starts.tolist()
         groups = [_group(m, query_lens, seq_lens, kv_starts, slots, starts_list, geometry, device) for m in members]
         return cls(positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups)
 
 
 MAX_EMPTY_LANES = 1.0  # a lane view may hold up to this many padding rows per member; sparser groups gather
+
+
+def _long_tails(short: list[int], query_lens: list[int]) -> set[int]:
+    """The short sequences whose queries are far longer than most (a prompt's last chunk of up to SHORT_QUERY rows
+    beside one- to four-row decode and verify rows): each attends alone, so it does not pad every other sequence
+    of the batch to its length. At 28 sequences verifying 2 rows beside a 16-row tail, padding made the batched
+    attention 8 times the rows."""
+    if len(short) < 3:
+        return set()
+    typical = sorted(query_lens[b] for b in short)[len(short) // 2]
+    return {b for b in short if query_lens[b] > 2 * typical + 2}
 
 
 def _in_lane(b: int, seq_lens: list[int], geometry: tuple) -> bool:
