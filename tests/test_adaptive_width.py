@@ -184,3 +184,14 @@ def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():
     policy.observe(32, 0, 0.055, [(0, 0)] * 32)
     assert policy.step_times(32) == pytest.approx([0.055, 0.049 * 32 / 17])
     assert policy.width(32) == 0
+
+
+def test_small_batches_probe_more_often():
+    """A probe of one sequence is one coin flip of the next position's acceptance: bucket 1 probes every
+    probe_every / 4 steps, bucket 4 every probe_every / 2, bucket 8 and up every probe_every."""
+    for batch, every in ((1, 16), (4, 32), (8, 64), (32, 64)):
+        policy = AdaptiveWidth(max_width=3)
+        widths = run(policy, 8 + 4 * every, batch=batch)
+        width = policy.buckets[bucket_of(batch)].width
+        probes = [i for i in range(8, len(widths)) if widths[i] != width]
+        assert len(probes) == 8 and probes[2] - probes[0] == every, (batch, probes)

@@ -17,9 +17,9 @@ sequences), so the widths probed inform the ones not run lately.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
-by `margin`; every `probe_every` steps a neighbour of the current width runs for two steps (the first proposes its
-drafts, the second verifies them and is timed), the wider and the narrower in turn, so the line and the acceptance
-of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. The width
+by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
+width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
+narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. The width
 changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
 in distribution).
 
@@ -85,9 +85,12 @@ class AdaptiveWidth:
             if not bucket.samples[w] and bucket.tries[w] < MAX_TRIES:
                 bucket.tries[w] += 1
                 return w
-        # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed
-        if bucket.calls % self.probe_every >= self.probe_every - 2:
-            wider = (bucket.calls // self.probe_every) % 2 == 0
+        # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
+        # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
+        # (a coin flip), and one step at a neighbouring width costs them little
+        every = min(self.probe_every, max(self.probe_every // 4, self.probe_every * bucket_of(batch_size) // 8))
+        if bucket.calls % every >= every - 2:
+            wider = (bucket.calls // every) % 2 == 0
             if bucket.width == 0 or (wider and bucket.width < self.max_width):
                 return bucket.width + 1
             return bucket.width - 1
