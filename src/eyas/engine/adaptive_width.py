@@ -19,9 +19,9 @@ Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps 
 when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
 by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
 width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
-narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. The width
-changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
-in distribution).
+narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
+difference, not of a run at the widest width. The width changes only how many drafts are verified: outputs are the
+same at every width (greedy: token for token; sampling: in distribution).
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
 per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
