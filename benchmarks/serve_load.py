@@ -17,7 +17,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,16 +25,11 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from vllm_interop import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def parse(path):\n", "import os\n\nclass Cache:\n", "for i in range(", "# Sort the list\n",
            "def main():\n    args = ", "x = [", "with open(name) as f:\n", "class Node:\n    def __init__(self"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -114,20 +108,12 @@ def phase(args: argparse.Namespace, abandoning: int) -> dict:
     command = [sys.executable, "-m", "eyas.cli", "serve", "--model", str(args.model), "--port", str(port),
                "--max-num-seqs", str(args.max_num_seqs), *args.serve_args]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited with {server.returncode}; its log: {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start in 300 s; its log: {log_path}")
-            time.sleep(0.5)
+        wait_healthy(server, url, log_path, 300, "eyas serve")
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from error
+    try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         rss_before = rss_mb(server.pid)
         load = Load(url, model, time.monotonic() + args.duration, random.Random(args.seed))
@@ -145,11 +131,7 @@ def phase(args: argparse.Namespace, abandoning: int) -> dict:
                   "rss_mb_before": rss_before,
                   "rss_mb_after": rss_mb(server.pid)}
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     text = log_path.read_text(errors="replace")
     result["log_tracebacks"] = text.count("Traceback (most recent call last)")
     result["log_lines"] = len(text.splitlines())

@@ -111,12 +111,13 @@ class AdaptiveWidth:
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
         """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""
-        bucket = self._bucket(batch_size)
-        seconds = self.step_times(batch_size)[width]
-        if seconds is None:
-            return None
-        rates = [q if q is not None else 0.0 for q in bucket.accepted_rate[:width]]
-        return (1.0 + sum(rates)) / max(seconds, 1e-9)
+        return self._scores(batch_size)[width]
+
+    def _scores(self, batch_size: int) -> list[float | None]:
+        """tokens_per_second at every width, from one pass over the step times."""
+        rates = [q if q is not None else 0.0 for q in self._bucket(batch_size).accepted_rate]
+        return [(1.0 + sum(rates[:w])) / max(seconds, 1e-9) if seconds is not None else None
+                for w, seconds in enumerate(self.step_times(batch_size))]
 
     def observe(self, batch_size: int, width: int, seconds: float, drafted_and_accepted: list[tuple[int, int]]
                 ) -> None:
@@ -136,7 +137,7 @@ class AdaptiveWidth:
                 bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
         if sum(1 for samples in bucket.samples if samples) < 2:
             return
-        scores = [self.tokens_per_second(batch_size, w) for w in range(self.max_width + 1)]
+        scores = self._scores(batch_size)
         best = max(range(self.max_width + 1), key=lambda w: scores[w])
         if scores[best] > scores[bucket.width] * (1 + self.margin):
             bucket.width = best

@@ -106,7 +106,7 @@ class MLAttention(nn.Module):
         if not chunks:
             return self.o_proj(self._absorbed_attention(q_nope, q_rope, latent_cache, attn, short).flatten(-2))
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
-        if short:  # one or two groups (see attention._split_at_lanes) hold the short rows; only they are absorbed
+        if short:  # the short rows (in one or more groups, see AttentionMetadata.build); only they are absorbed
             rows = short[0].rows if len(short) == 1 else torch.cat([g.rows for g in short])
             out[rows] = self._absorbed_attention(q_nope, q_rope, latent_cache, attn, short, rows)
         for group in chunks:
