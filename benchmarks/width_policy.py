@@ -60,6 +60,29 @@ def count_widths(llm: LLM) -> Counter:
     return widths
 
 
+def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams, runs: int) -> None:
+    for llm in llms.values():
+        for _ in range(runs):
+            llm.generate(batch, params, use_tqdm=False)
+
+
+def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, rounds: int) -> dict[str, float]:
+    """Output tok/s of each engine over `batch`: the median of `rounds` rounds, each running every engine once in
+    turn. Greedy outputs must equal the first engine's, token for token."""
+    seconds: dict[str, list[float]] = {name: [] for name in llms}
+    reference, first = None, next(iter(llms))
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds[name].append(time.perf_counter() - start)
+            tokens = [o.token_ids for o in outs]
+            reference = reference or tokens
+            if tokens != reference:
+                raise SystemExit(f"c={len(batch)}: {name}'s greedy output differs from {first}'s")
+    return {name: len(batch) * params.max_tokens / statistics.median(s) for name, s in seconds.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -82,22 +105,9 @@ def main() -> None:
               "rounds": args.rounds, "results": {}}
     for c in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(c)]
-        for llm in llms.values():
-            for _ in range(args.warmup_runs):
-                llm.generate(batch, params, use_tqdm=False)
+        warm_up(llms, batch, params, args.warmup_runs)
         widths.clear()
-        seconds: dict[str, list[float]] = {name: [] for name in llms}
-        reference = None
-        for _ in range(args.rounds):
-            for name, llm in llms.items():
-                start = time.perf_counter()
-                outs = llm.generate(batch, params, use_tqdm=False)
-                seconds[name].append(time.perf_counter() - start)
-                tokens = [o.token_ids for o in outs]
-                reference = reference or tokens
-                if tokens != reference:
-                    raise SystemExit(f"c={c}: {name}'s greedy output differs from plain decoding's")
-        tok_s = {name: c * args.new_tokens / statistics.median(s) for name, s in seconds.items()}
+        tok_s = timed_rounds(llms, batch, params, args.rounds)
         fixed = {name: v for name, v in tok_s.items() if name.startswith("fixed-")}
         best = max(fixed, key=fixed.get)
         spec_best = max(tok_s["adaptive"], fixed[best])

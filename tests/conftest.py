@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
+# commands run eager here (subprocesses inherit this): compiling each tiny random model would cost each test half a
+# minute; the compiled step has tests of its own (test_compiled_step.py), which turn it on themselves
+os.environ["EYAS_ENFORCE_EAGER"] = "1"
 
 # Fixtures more than one test module uses. Module-scoped: each module gets its own, as when it defined them; a module
 # that defines a fixture of the same name (test_checkpoint's `checkpoint`, test_ttt's `target`) uses its own.

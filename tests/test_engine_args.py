@@ -86,7 +86,7 @@ def test_no_flags_give_the_dataclass_defaults():
 def test_a_command_without_some_flags_keeps_those_fields_defaults():
     parser = engine_parser(max_num_seqs=32, without=("--dtype", "--device"), speculative=False)
     assert {a.dest for a in flag_actions(parser)} == {"model", "max_num_seqs", "max_model_len", "kv_cache_memory",
-                                                      "threads"}
+                                                      "threads", "enforce_eager"}
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs(max_num_seqs=32)
 
 

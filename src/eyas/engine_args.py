@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ class EngineArgs:
     max_model_len: int | None = None  # None: the model's
     kv_cache_memory: float | None = None  # GiB; None: 0.25 on CPU, 90% of free accelerator memory
     threads: int | None = None  # None: the rule in eyas.threads
+    enforce_eager: bool = False  # True: no compiled step (also when EYAS_ENFORCE_EAGER=1, or off CPU)
     # speculative decoding; speculative_method None: decided by speculative_config(). The settings it passes on to
     # SpeculativeConfig as they are take SpeculativeConfig's defaults (whose comments say what they mean)
     speculative_method: str | None = None
@@ -97,6 +100,10 @@ class EngineArgs:
         if "--device" not in without:
             _flag(g, "--device", defaults, help="cpu or cuda")
         _flag(g, "--threads", defaults, type=int, help=THREADS_HELP)
+        _flag(g, "--enforce-eager", defaults, action="store_true", help="run every step op by op; by default, on "
+              "CPU, decode and verify steps run the target as kernels compiled on the first use of a model shape "
+              "(about 30 s for the bundled target; kept in $EYAS_CACHE_DIR/compiled, default "
+              "~/.cache/eyas/compiled) and loaded in about a second after. EYAS_ENFORCE_EAGER=1 sets this flag")
         if speculative:
             _add_speculative_args(parser, defaults)
 
@@ -148,7 +155,14 @@ class EngineArgs:
         """Load the target (and its draft), size the KV cache and set torch's threads."""
         return LLM(self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
                    max_model_len=self.max_model_len, kv_cache_memory_gb=self.kv_cache_memory,
-                   speculative_config=self.speculative_config(), threads=self.threads)
+                   speculative_config=self.speculative_config(), threads=self.threads,
+                   compiled_step=self.compiled_step, progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+    @property
+    def compiled_step(self) -> bool:
+        """Whether steps run compiled: on CPU, unless --enforce-eager or EYAS_ENFORCE_EAGER=1."""
+        eager = self.enforce_eager or os.environ.get("EYAS_ENFORCE_EAGER", "0") not in ("", "0")
+        return not eager and str(self.device).startswith("cpu")
 
 
 def _per_batch_size_rules(text: str | None) -> list:

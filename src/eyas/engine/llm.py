@@ -81,11 +81,17 @@ class LLM:
                  kv_cache_memory_gb: float | None = None,
                  speculative_method: str | None = None, draft_model: str | Path | None = None,
                  num_speculative_tokens: int | None = None, speculative_config: SpeculativeConfig | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, compiled_step: bool = False,
+                 progress: Callable[[str], None] | None = None) -> None:
         """`speculative_method` "eagle" or "dflash" (with `draft_model`) or "mtp" turns on speculative decoding
         (`num_speculative_tokens`: 3 drafts a step, a DFlash draft's block_size - 1);
         `speculative_config` gives every speculative setting at once. `threads`: torch CPU threads (default: the
-        rule in eyas.threads, 1 on CPU for small models), set for the whole process."""
+        rule in eyas.threads, 1 on CPU for small models), set for the whole process. `compiled_step`: decode and
+        verify steps run the target as compiled kernels (eyas.engine.compiled_step; CPU only), compiled on the
+        first use of a model shape (`progress` hears each kernel) and loaded from the disk cache after."""
+        if compiled_step and torch.device(device).type != "cpu":
+            raise ValueError(f"the compiled step runs on CPU only; on {device} leave compiled_step off "
+                             "(--enforce-eager)")
         if speculative_config is None and speculative_method not in (None, "none"):
             speculative_config = SpeculativeConfig(
                 method=speculative_method, draft_model=str(draft_model) if draft_model else None,
@@ -115,7 +121,7 @@ class LLM:
         self._grammars_lock = threading.Lock()
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.draft, speculative_config,
                                   self.max_model_len, think_token_ids(self.tokenizer),
-                                  (self.allocator.num_lanes, self.allocator.lane_blocks))
+                                  (self.allocator.num_lanes, self.allocator.lane_blocks), compiled_step, progress)
         # a sampling sequence commits up to K + 1 tokens and then gets up to K drafts (a block draft: K <= B - 1, and
         # its block's own rows past the drafts are never written)
         lookahead = 1 + speculative_config.max_num_tokens if speculative_config is not None else 0

@@ -16,24 +16,30 @@ The step, in phase order (K = the width the proposer chooses; K = 0 is plain dec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
 from eyas.engine.block_proposer import BlockDraft, BlockProposer
+from eyas.engine.compiled_step import CompiledDraft, CompiledTarget
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
+from eyas.models.eagle3 import Eagle3Draft
 
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, num_blocks: int, block_size: int,
                  draft: DraftHead | BlockDraft | None = None, speculative_config: SpeculativeConfig | None = None,
                  max_model_len: int | None = None, think_token_ids: tuple[int, int] | None = None,
-                 lanes: tuple[int, int] = (0, 0)) -> None:
+                 lanes: tuple[int, int] = (0, 0), compiled_step: bool = False,
+                 progress: Callable[[str], None] | None = None) -> None:
+        """`compiled_step`: decode and verify steps run the target through compiled kernels (CompiledTarget;
+        compiled on first use of a model shape, `progress` hears each kernel)."""
         self.model = model
         config = model.config
         weight = model.lm_head.weight
@@ -44,7 +50,10 @@ class ModelRunner:
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
         self.verifier = Verifier(model, speculative_config, think_token_ids)
+        self.compiled = CompiledTarget(model.model, progress) if compiled_step else None
         self.proposer = None
+        if compiled_step and isinstance(draft, Eagle3Draft):
+            draft = CompiledDraft(draft, progress)
         if draft is not None:  # a draft that proposes a block in one forward (DFlash), or one token per forward
             kind = BlockProposer if isinstance(draft, BlockDraft) else Proposer
             self.proposer = kind(draft, speculative_config, num_blocks * block_size, block_size,
@@ -90,4 +99,7 @@ class ModelRunner:
             seq_lens.append(seq.num_computed + n)
         attn = AttentionMetadata.build(batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs],
                                        self.block_size, self.device, lanes=self.lanes)
-        return self.model.model(torch.tensor(input_ids, device=self.device), attn, self.cache, aux_hidden_state_ids)
+        input_ids = torch.tensor(input_ids, device=self.device)
+        if self.compiled is not None and self.compiled.takes(attn):
+            return self.compiled.forward(input_ids, attn, self.cache, aux_hidden_state_ids)
+        return self.model.model(input_ids, attn, self.cache, aux_hidden_state_ids)

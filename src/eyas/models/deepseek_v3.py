@@ -92,10 +92,29 @@ class MLAttention(nn.Module):
                              self.interleave)
         return q_nope, rotated[..., :-1, :], kv, rotated[..., -1, :]
 
+    def absorbed_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For decode and verify rows (the absorbed form): the queries in the latent space [tokens, heads,
+        kv_lora_rank + rope_dim] and the latents to cache [tokens, kv_lora_rank + rope_dim]."""
+        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
+        w_uk = self.w_uk if self.w_uk is not None else self._absorbed()[0]
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return torch.cat([q_latent, q_rope], dim=-1), torch.cat([kv, k_rope], dim=-1)
+
+    def absorbed_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """The attention's output [tokens, heads, kv_lora_rank] (latent values) through W_UV and o_proj."""
+        w_uv_t = self.w_uv_t if self.w_uv_t is not None else self._absorbed()[1]
+        return self.o_proj(torch.matmul(out_latent.transpose(0, 1), w_uv_t).transpose(0, 1).flatten(-2))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
                 latent_cache: torch.Tensor | None = None) -> torch.Tensor:
         if attn is None:
             return self._expanded(x, cos, sin)
+        if all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups):  # decode and verify rows only
+            q, latent = self.absorbed_inputs(x, cos, sin)
+            latent_cache[attn.slot_mapping] = latent.to(latent_cache.dtype)
+            out = paged_latent_attention(q.to(latent_cache.dtype), latent_cache, attn, self.kv_lora_rank, self.scale)
+            return self.absorbed_output(out.to(x.dtype))
         q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         # write this step's latents, then attend over each sequence's whole context: decode and verify rows in the
         # absorbed form (one latent per key), prompt chunks in the expanded form (per-head keys and values from
@@ -103,8 +122,6 @@ class MLAttention(nn.Module):
         latent_cache[attn.slot_mapping] = torch.cat([kv, k_rope], dim=-1).to(latent_cache.dtype)
         short = [g for g in attn.groups if g.query_rows.shape[1] <= SHORT_QUERY]
         chunks = [g for g in attn.groups if g.query_rows.shape[1] > SHORT_QUERY]
-        if not chunks:
-            return self.o_proj(self._absorbed_attention(q_nope, q_rope, latent_cache, attn, short).flatten(-2))
         out = x.new_empty(x.shape[0], self.num_heads, self.v_dim)
         if short:  # the short rows (in one or more groups, see AttentionMetadata.build); only they are absorbed
             rows = short[0].rows if len(short) == 1 else torch.cat([g.rows for g in short])
@@ -116,21 +133,16 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
     def _absorbed_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
-                            attn: AttentionMetadata, groups: list, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The absorbed form over `groups`: [num_tokens, heads, v_dim]; with `rows` (the groups' flat rows) only
-        theirs, [len(rows), heads, v_dim], and only their queries are projected into the latent space."""
-        w_uk, w_uv_t = (self.w_uk, self.w_uv_t) if self.w_uk is not None else self._absorbed()
-        if rows is not None:
-            q_nope, q_rope = q_nope[rows], q_rope[rows]
-        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [tokens, heads, kv_lora_rank]
-        q = torch.cat([q_latent, q_rope], dim=-1).to(latent_cache.dtype)  # [tokens, heads, latent_dim]
-        if rows is not None:
-            full = q.new_empty(attn.num_tokens, *q.shape[1:])
-            full[rows] = q
-            q = full
-        out_latent = paged_latent_attention(q, latent_cache, attn, self.kv_lora_rank, self.scale, groups)
-        if rows is not None:
-            out_latent = out_latent[rows]
+                            attn: AttentionMetadata, groups: list, rows: torch.Tensor) -> torch.Tensor:
+        """The absorbed form over `groups` (beside prompt chunks), whose flat rows are `rows`: [len(rows), heads,
+        v_dim]; only their queries are projected into the latent space."""
+        w_uk = self.w_uk if self.w_uk is not None else self._absorbed()[0]
+        q_latent = torch.matmul(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [rows, heads, kv_lora_rank]
+        q = torch.cat([q_latent, q_rope[rows]], dim=-1).to(latent_cache.dtype)
+        full = q.new_empty(attn.num_tokens, *q.shape[1:])
+        full[rows] = q
+        out_latent = paged_latent_attention(full, latent_cache, attn, self.kv_lora_rank, self.scale, groups)[rows]
+        w_uv_t = self.w_uv_t if self.w_uv_t is not None else self._absorbed()[1]
         return torch.matmul(out_latent.to(q_nope.dtype).transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _chunk_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
@@ -234,7 +246,11 @@ class MoE(nn.Module):
         expert_ids, weights = self.route(x)
         # both paths add expert outputs in ascending expert order: the summation order does not depend on the path
         # (the last bits still can: CPU matmuls round differently for different row counts)
-        if x.shape[0] <= FEW_TOKENS:
+        if torch.compiler.is_compiling() and self.stacked_gate_up is not None:
+            # a compiled step (at most FEW_TOKENS rows): the experts a row chose are known only when it runs
+            dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+            out = self._all_experts(x, dense.scatter(1, expert_ids, weights.to(x.dtype)))
+        elif x.shape[0] <= FEW_TOKENS:
             out = self._few_tokens(x, expert_ids, weights)
         else:
             out = self._grouped(x, expert_ids, weights)
@@ -292,6 +308,18 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None = None,
                 latent_cache: torch.Tensor | None = None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, latent_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # the layer split around its attention, as the compiled step runs it (eyas.engine.compiled_step): everything up
+    # to the cache write, and everything after the attention over the cache
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode and verify rows: (queries in the latent space, latents to cache), see MLAttention."""
+        return self.self_attn.absorbed_inputs(self.input_layernorm(h), cos, sin)
+
+    def after_attention(self, h: torch.Tensor, out_latent: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.absorbed_output(out_latent)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
-from eyas.models.attention import AttentionMetadata, paged_attention
+from eyas.models.attention import AttentionMetadata, paged_attention, paged_latent_attention
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
@@ -342,6 +342,33 @@ class Eagle3DecoderLayer(nn.Module):
                 attn: AttentionMetadata | None = None, cache: torch.Tensor | None = None) -> torch.Tensor:
         x, residual = self.attention_input(embeds, hidden)
         h = residual + self.self_attn(x, cos, sin, attn, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # the layer split around its attention over the cache, as the compiled step runs it (eyas.engine.compiled_step)
+
+    def attention_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat rows: (queries, each row's cache entry, the residual). MLA queries are in the latent space."""
+        x, residual = self.attention_input(embeds, hidden)
+        if isinstance(self.self_attn, MLAttention):
+            q, entry = self.self_attn.absorbed_inputs(x, cos, sin)
+        else:
+            q, k, v = self.self_attn.expanded_qkv(x, cos, sin)
+            entry = torch.stack([k, v], dim=1)
+        return q, entry, residual
+
+    def attend(self, q: torch.Tensor, entry: torch.Tensor, attn: AttentionMetadata, cache: torch.Tensor
+               ) -> torch.Tensor:
+        """Write the rows' cache entries, then attend over each sequence's context: [rows, heads, value width]."""
+        cache[attn.slot_mapping] = entry.to(cache.dtype)
+        a = self.self_attn
+        if isinstance(a, MLAttention):
+            return paged_latent_attention(q.to(cache.dtype), cache, attn, a.kv_lora_rank, a.scale)
+        return paged_attention(q.to(cache.dtype), cache, attn, a.scale)
+
+    def after_attention(self, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn
+        h = residual + (a.absorbed_output(out) if isinstance(a, MLAttention) else a.o_proj(out.flatten(-2)))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
         self.weight_pair: torch.Tensor | None = None  # set by pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_pair is not None and x.dtype == torch.float32 and x.numel() <= FUSED_NORM_ROWS * x.shape[-1]:
+        if (self.weight_pair is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+                and x.numel() <= FUSED_NORM_ROWS * x.shape[-1]):  # (a compiler fuses the plain form itself)
             dim = x.shape[-1]
             return F.layer_norm(torch.cat([x, -x], dim=-1), self.weight_pair.shape, self.weight_pair, None,
                                 self.eps)[..., :dim]

@@ -1,0 +1,368 @@
+"""The target's decode and verify forward as ahead-of-time compiled kernels (AOTInductor, C++ on CPU).
+
+Eager, a batch-1 decode step of the bundled target runs some 400 small ops, and at a few rows most of each op's
+time is dispatch, not arithmetic. Compiled, everything between two attentions is one kernel call: layer i's
+output projection, residual, norm and MLP or MoE, then layer i+1's norm, projections, rope and absorbed queries.
+The paged-cache write and the attention over the cache stay eager (their shapes change with every context); so do
+prompt chunks, which are few and long.
+
+    first      layer 0's attention inputs                          (h, cos, sin) -> (q, latent)
+    step       layer i after its attention, then layer i+1's       (h, out, cos, sin) -> (h, q, latent)
+               attention inputs; one kernel per kind of layer i (dense MLP, MoE)
+    last       the last layer after its attention, the final norm  (h, out) -> (normed h, h)
+
+A kernel takes the weights it reads as inputs, so every layer of a kind runs the same compiled code. Each is
+compiled for any row count from 1 to MAX_ROWS, once per model shape, dtype and torch version, and kept on disk
+(`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than MAX_ROWS rows
+run eager. Calls go straight to the compiled runner (`loader.run`), which costs a few microseconds a call where a
+`torch.compile`d function's guards and wrapper cost about 30.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eyas.models import deepseek_v3, eagle3, layers
+from eyas.models.attention import SHORT_QUERY, AttentionMetadata, paged_latent_attention
+from eyas.models.deepseek_v3 import FEW_TOKENS, DecoderLayer, DeepseekV3Model, MLAttention
+from eyas.models.eagle3 import Eagle3Draft
+
+# the most rows a compiled step takes: the MoE's all-experts form is the right one up to FEW_TOKENS rows
+MAX_ROWS = FEW_TOKENS
+# the packed forms a compiler does not need (it fuses the plain form itself); set to None while a kernel is traced
+TRACE_WITHOUT = ("weight_pair",)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $EYAS_CACHE_DIR/compiled, else ~/.cache/eyas/compiled."""
+    root = os.environ.get("EYAS_CACHE_DIR") or Path.home() / ".cache" / "eyas"
+    return Path(root) / "compiled"
+
+
+def module_tensors(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every tensor the modules (and their submodules) hold, in a fixed order: parameters, buffers and the packed
+    tensors set by pack() (plain attributes)."""
+    found = []
+    for top in modules:
+        for _, module in top.named_modules():
+            for name, t in module._parameters.items():
+                if t is not None:
+                    found.append((module, name, t))
+            for name, t in module._buffers.items():
+                if t is not None:
+                    found.append((module, name, t))
+            for name, t in vars(module).items():
+                if isinstance(t, torch.Tensor) and name not in TRACE_WITHOUT:
+                    found.append((module, name, t))
+    return found
+
+
+@contextmanager
+def _bound(entries: list[tuple[nn.Module, str, torch.Tensor]], tensors: Sequence[torch.Tensor]):
+    """The modules read `tensors` in place of their own while tracing; their own are put back after."""
+    saved = []
+    for (module, name, _), t in zip(entries, tensors):
+        where = (module._parameters if name in module._parameters
+                 else module._buffers if name in module._buffers else vars(module))
+        saved.append((where, name, where[name]))
+        where[name] = t
+    for module in {id(m): m for m, _, _ in entries}.values():
+        for name in TRACE_WITHOUT:
+            if vars(module).get(name) is not None:
+                saved.append((vars(module), name, vars(module)[name]))
+                vars(module)[name] = None
+    try:
+        yield
+    finally:
+        for where, name, t in reversed(saved):
+            where[name] = t
+
+
+class _Traced(nn.Module):
+    """`fn(*args)` with the tensors of `modules` as the first inputs, for torch.export."""
+
+    def __init__(self, modules: Sequence[nn.Module], fn: Callable) -> None:
+        super().__init__()
+        self.entries = module_tensors(modules)
+        self.fn = fn
+
+    def forward(self, *inputs: torch.Tensor):
+        n = len(self.entries)
+        with _bound(self.entries, inputs[:n]):
+            return self.fn(*inputs[n:])
+
+
+class Kernel:
+    """One compiled kernel: called with the tensors of the modules it was built for, then its arguments. The
+    compiled code reads each input with the strides it was traced with and checks none of them: weights are
+    checked once, when a layer's are bound (`weights`), and arguments are made contiguous on every call."""
+
+    def __init__(self, name: str, loader, used: list[int], layout: list[tuple[list[int], list[int], str]]) -> None:
+        self.name = name
+        self.loader = loader
+        self.used = used  # which of the modules' tensors the kernel reads, in module_tensors order
+        self.layout = layout  # (shape, stride, dtype) of each tensor the kernel reads
+
+    def weights(self, modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+        tensors = [t for _, _, t in module_tensors(modules)]
+        chosen = [tensors[i] for i in self.used]
+        for t, (shape, stride, dtype) in zip(chosen, self.layout):
+            if list(t.shape) != shape or list(t.stride()) != stride or str(t.dtype) != dtype:
+                raise RuntimeError(f"a layer's weight {tuple(t.shape)}, stride {t.stride()}, {t.dtype} is not laid "
+                                   f"out as the kernel it would run reads it: {shape}, stride {stride}, {dtype}")
+        return chosen
+
+    def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> list[torch.Tensor]:
+        return self.loader.run([*weights, *(a.contiguous() for a in args)])
+
+
+def _source_digest() -> str:
+    """The model code the kernels are traced from: a change to it compiles them again."""
+    digest = hashlib.sha256()
+    for module in (deepseek_v3, eagle3, layers, sys.modules[__name__]):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: Sequence[torch.Tensor],
+                   dynamic_args: Sequence[int], progress: Callable[[], None] | None = None) -> Kernel:
+    """Export `fn(*args)`, reading the tensors of `modules`, with dim 0 of the args at `dynamic_args` (rows) free
+    from 1 to MAX_ROWS, compile it with AOTInductor, or load it from the disk cache when compiled before.
+    `progress` is called before compiling (not before loading)."""
+    if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
+        raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
+    traced = _Traced(modules, fn)
+    tensors = [t for _, _, t in traced.entries]
+    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+    dynamic = [None] * len(tensors) + [{0: rows} if i in dynamic_args else None for i in range(len(args))]
+    key = json.dumps({
+        "name": name, "torch": torch.__version__, "source": _source_digest(), "max_rows": MAX_ROWS,
+        "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in traced.entries],
+        "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
+    path = cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
+    used_path = path.with_suffix(".json")
+    if not (path.is_file() and used_path.is_file()):
+        if progress is not None:
+            progress()
+        with torch.inference_mode(False), torch.no_grad():
+            program = torch.export.export(traced, (*tensors, *args), dynamic_shapes=[tuple(dynamic)], strict=False)
+        baked = [spec.target for spec in program.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
+        if baked:  # a tensor the modules do not hold would be frozen into the kernel, the same for every layer
+            raise RuntimeError(f"compiling {name}: the traced code reads tensors it was not given: {baked}")
+        placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
+        used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
+        if len(used) < len(tensors):  # export again with only what the kernel reads: fewer inputs a call
+            entries = [traced.entries[i] for i in used]
+            pruned = _Traced([], fn)
+            pruned.entries = entries
+            with torch.inference_mode(False), torch.no_grad():
+                program = torch.export.export(pruned, (*[tensors[i] for i in used], *args),
+                                              dynamic_shapes=[(*[None] * len(used), *dynamic[len(tensors):])],
+                                              strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # complete files only, even if interrupted
+            staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name))
+            Path(tmp, used_path.name).write_text(json.dumps(used))
+            os.replace(staged, path)
+            os.replace(Path(tmp, used_path.name), used_path)
+    used = json.loads(used_path.read_text())
+    layout = [(list(tensors[i].shape), list(tensors[i].stride()), str(tensors[i].dtype)) for i in used]
+    with warnings.catch_warnings():  # torch's own deprecation notices about its package format
+        warnings.simplefilter("ignore", FutureWarning)
+        loader = torch._inductor.aoti_load_package(str(path)).loader
+    return Kernel(name, loader, used, layout)
+
+
+class CompiledTarget:
+    """The compiled decode/verify forward of a DeepseekV3Model (see the module docstring)."""
+
+    def __init__(self, model: DeepseekV3Model, progress: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        first_attn = model.layers[0].self_attn
+        self.kv_lora_rank, self.scale = first_attn.kv_lora_rank, first_attn.scale
+        weight = model.embed_tokens.weight
+        dtype, device = weight.dtype, weight.device
+        rows = 2  # example inputs; every kernel takes 1..MAX_ROWS rows
+        h = torch.zeros(rows, config.hidden_size, dtype=dtype, device=device)
+        cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(rows, device=device)))
+        out = torch.zeros(rows, first_attn.num_heads, self.kv_lora_rank, dtype=dtype, device=device)
+        layers = list(model.layers[:self.num_layers])
+        kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
+        # each call: (kernel name, the modules whose tensors it reads, the function over them, example args)
+        calls = [("first", _attention_parts(layers[0]), _first_fn(layers[0]), (h, cos, sin))]
+        calls += [(f"step-{kind}", [*_after_parts(layers[i]), *_attention_parts(layers[i + 1])],
+                   _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
+        calls.append((f"last-{kinds[-1]}", [*_after_parts(layers[-1]), model.norm],
+                      _last_fn(layers[-1], model.norm), (h, out)))
+        names = list(dict.fromkeys(name for name, *_ in calls))
+        start = time.perf_counter()
+        kernels: dict[str, Kernel] = {}
+        for name, modules, fn, args in calls:  # each kernel traced through the first call that runs it
+            if name not in kernels:
+                line = (f"compiling the decode step: kernel {len(kernels) + 1}/{len(names)} ({name}), once for "
+                        f"this model's shape (kept in {cache_dir()})")
+                told = (lambda line=line: progress(line)) if progress is not None else None
+                kernels[name] = compile_kernel(name, modules, fn, args, range(len(args)), told)
+        self.seconds = time.perf_counter() - start
+        # per call, its kernel and the tensors it passes (its own layer's)
+        bound = [(kernels[name], kernels[name].weights(modules)) for name, modules, _, _ in calls]
+        for layer, ((kernel, weights), (name, _, fn, args)) in enumerate(zip(bound, calls)):
+            _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args)
+        self.first, self.steps, self.last = bound[0], bound[1:-1], bound[-1]
+
+    @staticmethod
+    def takes(attn: AttentionMetadata) -> bool:
+        """Whether the compiled step runs this batch: decode and verify rows only, at most MAX_ROWS of them."""
+        return attn.num_tokens <= MAX_ROWS and all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups)
+
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
+                aux_hidden_state_ids: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """DeepseekV3Model.forward for a batch `takes` accepts: the same outputs."""
+        model = self.model
+        cos, sin = (t.to(model.embed_tokens.weight.dtype) for t in model.rotary(attn.positions))
+        h = model.embed_tokens(input_ids)
+        captured = {0: h} if 0 in aux_hidden_state_ids else {}
+        kernel, weights = self.first
+        q, latent = kernel(weights, h, cos, sin)
+        for i in range(self.num_layers):
+            cache = kv_caches[i]
+            cache[attn.slot_mapping] = latent.to(cache.dtype)
+            out = paged_latent_attention(q.to(cache.dtype), cache, attn, self.kv_lora_rank, self.scale).to(h.dtype)
+            if i + 1 < self.num_layers:
+                kernel, weights = self.steps[i]
+                h, q, latent = kernel(weights, h, out, cos, sin)
+            else:
+                kernel, weights = self.last
+                normed, h = kernel(weights, h, out)
+            if i + 1 in aux_hidden_state_ids:
+                captured[i + 1] = h
+        return normed, [captured[i] for i in aux_hidden_state_ids]
+
+
+class CompiledDraft:
+    """An EAGLE-3 draft whose steps over decode rows run as two compiled kernels: the layer up to its cache write
+    (input norms, projections, rope: queries and cache entries) and after its attention (output projection,
+    residual, MLP and the carried state); the attention over the draft's cache runs eager between them. Steps it
+    does not take (`CompiledTarget.takes`) run the draft eager. Otherwise it is the draft (the engine's DraftHead)."""
+
+    def __init__(self, draft: Eagle3Draft, progress: Callable[[str], None] | None = None) -> None:
+        self.draft = draft
+        self.aux_hidden_state_ids = draft.aux_hidden_state_ids
+        layer = draft.layers[0]
+        weight = draft.fc.weight
+        dtype, device = weight.dtype, weight.device
+        rows, H = 2, draft.config.hidden_size
+        # distinct tensors: export takes one tensor passed twice for one input
+        embeds, hidden = (torch.zeros(rows, H, dtype=dtype, device=device) for _ in range(2))
+        cos, sin = (t.to(dtype) for t in draft.rotary(torch.arange(rows, device=device)))
+        with torch.no_grad():
+            q, _, _ = layer.attention_inputs(embeds, hidden, cos, sin)
+            out = torch.zeros(*q.shape[:2], _value_width(layer), dtype=dtype, device=device)
+        arch = draft.config.arch
+        before = [layer.input_layernorm, layer.hidden_norm, layer.self_attn]
+        after = [layer.self_attn, layer.post_attention_layernorm, layer.mlp, draft.norm]
+        calls = [(f"draft-{arch}-inputs", before, layer.attention_inputs, (embeds, hidden, cos, sin)),
+                 (f"draft-{arch}-outputs", after, lambda residual, out: (draft.carried(layer.after_attention(
+                     residual, out)),), (hidden, out))]
+        start = time.perf_counter()
+        kernels = []
+        for n, (name, modules, fn, args) in enumerate(calls):
+            line = (f"compiling the draft's step: kernel {n + 1}/{len(calls)} ({name}), once for this draft's shape "
+                    f"(kept in {cache_dir()})")
+            kernel = compile_kernel(name, modules, fn, args, range(len(args)),
+                                    (lambda line=line: progress(line)) if progress is not None else None)
+            weights = kernel.weights(modules)
+            _check_against_eager(f"the draft ({name})", kernel, weights, fn, args)
+            kernels.append((kernel, weights))
+        self.seconds = time.perf_counter() - start
+        self.inputs, self.outputs = kernels
+
+    def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
+                 cache: torch.Tensor) -> torch.Tensor:
+        draft = self.draft
+        if not CompiledTarget.takes(attn):
+            return draft(hidden, next_token_ids, attn, cache)
+        dtype = draft.fc.weight.dtype
+        cos, sin = (t.to(dtype) for t in draft.rotary(attn.positions))
+        kernel, weights = self.inputs
+        q, entry, residual = kernel(weights, draft.embed(next_token_ids, hidden.dtype), hidden, cos, sin)
+        out = draft.layers[0].attend(q, entry, attn, cache).to(dtype)
+        kernel, weights = self.outputs
+        return kernel(weights, residual, out)[0]
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(prenorm)
+
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.greedy_tokens(prenorm)
+
+    def cache_entry_shape(self) -> tuple[int, ...]:
+        return self.draft.cache_entry_shape()
+
+
+def _value_width(layer) -> int:
+    """The width of one head's attention output over the cache: the latent (MLA), or head_dim."""
+    a = layer.self_attn
+    return a.kv_lora_rank if isinstance(a, MLAttention) else a.head_dim
+
+
+def _check_against_eager(what: str, kernel: Kernel, weights: list[torch.Tensor], fn: Callable,
+                         args: Sequence[torch.Tensor]) -> None:
+    """A kernel's outputs on random rows are the eager function's, to rounding: a kernel that read some tensor as a
+    constant, or another layer's weights, would compute something else."""
+    generator = torch.Generator(device=args[0].device).manual_seed(0)
+    rows = 3
+    inputs = [torch.randn(rows, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device) for a in args]
+    with torch.inference_mode():
+        expected = fn(*inputs)
+        got = kernel(weights, *inputs)
+    tolerance = 1e-3 if args[0].dtype == torch.float32 else 5e-2
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if e.shape != g.shape or not torch.allclose(e, g, rtol=tolerance, atol=tolerance):
+            error = (e - g).abs().max().item() if e.shape == g.shape else f"shape {tuple(g.shape)}"
+            raise RuntimeError(f"the compiled step's kernel for {what} differs from the eager layer in output {i} "
+                               f"({error}); run with --enforce-eager, and clear {cache_dir()} if it persists")
+
+
+def _attention_parts(layer: DecoderLayer) -> list[nn.Module]:
+    return [layer.input_layernorm, layer.self_attn]
+
+
+def _after_parts(layer: DecoderLayer) -> list[nn.Module]:
+    return [layer.self_attn, layer.post_attention_layernorm, layer.mlp]
+
+
+def _first_fn(layer: DecoderLayer) -> Callable:
+    return lambda h, cos, sin: layer.attention_inputs(h, cos, sin)
+
+
+def _step_fn(layer: DecoderLayer, next_layer: DecoderLayer) -> Callable:
+    def step(h, out, cos, sin):
+        h = layer.after_attention(h, out)
+        return (h, *next_layer.attention_inputs(h, cos, sin))
+    return step
+
+
+def _last_fn(layer: DecoderLayer, norm: nn.Module) -> Callable:
+    def last(h, out):
+        h = layer.after_attention(h, out)
+        return norm(h), h
+    return last

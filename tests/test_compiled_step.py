@@ -1,0 +1,129 @@
+"""The compiled step (eyas.engine.compiled_step) computes what the eager step computes: greedy output token for token,
+plain and speculative, each kernel checked against its eager layer, kernels kept on disk and loaded back, and no
+tensor frozen into a kernel that every layer shares."""
+
+import argparse
+
+import pytest
+import torch
+from tiny import (
+    YARN,
+    add_mtp_weights,
+    make_hf_checkpoint,
+    mha_config,
+    mha_weights,
+    mla_config,
+    mla_weights,
+    write_draft,
+)
+
+from eyas import LLM, SamplingParams
+from eyas.engine import compiled_step
+from eyas.engine.compiled_step import CompiledTarget, compile_kernel
+from eyas.engine_args import EngineArgs
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 9, [40, 41], [17]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = tmp_path_factory.mktemp("target")
+    make_hf_checkpoint(target, rope_parameters=YARN)
+    add_mtp_weights(target)
+    drafts = tmp_path_factory.mktemp("drafts")
+    return target, {"mla": write_draft(drafts / "mla", mla_config(), mla_weights()),
+                    "mha": write_draft(drafts / "mha", mha_config(), mha_weights())}
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    """One disk cache for this module's tests: the kernels are compiled once (about 30 s) and loaded after."""
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "eyas-cache"))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The name of every compiled kernel called, in order."""
+    calls = []
+    call = compiled_step.Kernel.__call__
+    monkeypatch.setattr(compiled_step.Kernel, "__call__", lambda self, *a: calls.append(self.name) or call(self, *a))
+    return calls
+
+
+def run(path, compiled, **spec):
+    llm = LLM(path, max_num_seqs=4, block_size=4, max_num_batched_tokens=11, compiled_step=compiled, **spec)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=23, ignore_eos=True))
+    assert llm.allocator.num_used == 0
+    return [o.token_ids for o in outs], outs
+
+
+def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
+    target, drafts = models
+    eager, _ = run(target, compiled=False)
+    plain, _ = run(target, compiled=True)
+    assert plain == eager
+    assert kernel_calls.count("first") > 20  # the compiled kernels ran the decode steps
+    for spec in (dict(speculative_method="eagle", draft_model=drafts["mla"], num_speculative_tokens=3),
+                 dict(speculative_method="eagle", draft_model=drafts["mha"], num_speculative_tokens=2),
+                 dict(speculative_method="mtp", num_speculative_tokens=2)):
+        kernel_calls.clear()
+        tokens, outs = run(target, compiled=True, **spec)
+        assert tokens == eager, spec
+        assert sum(o.num_drafted for o in outs) > 0
+        assert kernel_calls.count("first") > 5
+        drafted = {name for name in kernel_calls if name.startswith("draft-")}
+        arch = spec["draft_model"].name if "draft_model" in spec else None
+        assert drafted == ({f"draft-{arch}-inputs", f"draft-{arch}-outputs"} if arch else set()), spec
+
+
+def test_each_kernel_computes_its_own_layer(models):
+    llm = LLM(models[0], compiled_step=True)
+    compiled = llm.runner.compiled
+    layers = llm.model.model.layers
+    # the same kernel runs layers 1 and 2 (both MoE, then attention inputs); each with its own layer's weights
+    (kernel, weights_1), (_, weights_2) = compiled.steps[1], compiled.steps[2]
+    assert compiled.steps[1][0] is compiled.steps[2][0]
+    rows = 3
+    h = torch.randn(rows, llm.model.config.hidden_size)
+    out = torch.randn(rows, llm.model.config.num_attention_heads, llm.model.config.kv_lora_rank)
+    cos, sin = llm.model.model.rotary(torch.arange(rows))
+    step_2 = compiled_step._step_fn(layers[2], layers[3])
+    compiled_step._check_against_eager("layer 2", kernel, weights_2, step_2, (h, out, cos, sin))
+    with pytest.raises(RuntimeError, match="for layer 2 differs from the eager layer"):
+        compiled_step._check_against_eager("layer 2", kernel, weights_1, step_2, (h, out, cos, sin))
+
+
+def test_kernels_are_loaded_from_disk_the_second_time(models, monkeypatch):
+    model = LLM(models[0], compiled_step=True).model  # compiled here or by an earlier test: on disk now
+    cached = sorted(compiled_step.cache_dir().glob("*.pt2"))
+    # first, step-mlp, step-moe, last-moe, and each draft's two (when the first test ran before)
+    assert {p.name.rsplit("-", 1)[0] for p in cached} >= {"first", "step-mlp", "step-moe", "last-moe"}
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    heard = []
+    CompiledTarget(model.model, progress=heard.append)
+    assert heard == []  # progress tells of compiling only
+    assert sorted(compiled_step.cache_dir().glob("*.pt2")) == cached
+
+
+def test_a_tensor_the_modules_do_not_hold_is_refused():
+    norm = torch.nn.LayerNorm(8)
+    outside = torch.ones(8)
+    with pytest.raises(RuntimeError, match="reads tensors it was not given"):
+        compile_kernel("t", [norm], lambda h: norm(h) + outside, (torch.zeros(2, 8),), (0,))
+
+
+def test_enforce_eager_and_where_the_step_compiles(monkeypatch):
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    monkeypatch.delenv("EYAS_ENFORCE_EAGER", raising=False)
+    assert EngineArgs.from_cli_args(parser.parse_args([])).compiled_step
+    assert not EngineArgs.from_cli_args(parser.parse_args(["--enforce-eager"])).compiled_step
+    assert not EngineArgs.from_cli_args(parser.parse_args(["--device", "cuda"])).compiled_step
+    monkeypatch.setenv("EYAS_ENFORCE_EAGER", "1")
+    assert not EngineArgs.from_cli_args(parser.parse_args([])).compiled_step
+    with pytest.raises(ValueError, match="compiled step runs on CPU only"):
+        LLM(device="cuda", compiled_step=True)
