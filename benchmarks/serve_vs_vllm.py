@@ -7,7 +7,8 @@ prints output tok/s and mean TPOT per server and concurrency, and each one's rat
 mode at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
 vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
 benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). eyas serve runs with its defaults
-(the adaptive verify width). A server that does not start is reported with its log and the others still run.
+(the compiled step, the adaptive verify width), and with --enforce-eager (eyas-plain-eager, eyas-draft-eager). A
+server that does not start is reported with its log and the others still run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
 
-SERVERS = ["eyas-plain", "eyas-draft", "vllm-plain", "vllm-draft", "vllm-plain-eager", "vllm-draft-eager"]
+SERVERS = ["eyas-plain", "eyas-draft", "eyas-plain-eager", "eyas-draft-eager", "vllm-plain", "vllm-draft",
+           "vllm-plain-eager", "vllm-draft-eager"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,10 +41,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def start_eyas(args: argparse.Namespace, draft: bool, log: Path) -> tuple[subprocess.Popen, str]:
+def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = False
+               ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "eyas.cli", "serve", "--port", str(port), "--max-num-seqs",
-               str(max(args.concurrency)), "--no-access-log"]
+               str(max(args.concurrency)), "--no-access-log"] + (["--enforce-eager"] if eager else [])
     command += ["--draft-model", str(DRAFT), "--num-speculative-tokens", str(args.num_speculative_tokens)] if draft \
         else ["--speculative-method", "none"]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -83,7 +86,7 @@ def main() -> int:
         log = work / f"{name}.log"
         try:
             if name.startswith("eyas"):
-                server, url = start_eyas(args, name == "eyas-draft", log)
+                server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"))
             else:
                 server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
                                          max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"))

@@ -215,6 +215,19 @@ def test_a_long_tail_beside_short_rows_attends_alone(model):
     assert worst < 1e-4, worst
 
 
+def test_a_long_context_beside_short_ones_attends_alone(model):
+    """Decode rows of one 150-token context and four 9-token ones: the long one attends alone, so the others are
+    not padded to 150 keys; logits equal the no-cache forward. Three short contexts beside it stay together."""
+    torch.manual_seed(3)
+    worst, groups = run_steps(model, ([140, 8, 8, 8, 8], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]))
+    assert groups[1:] == [[1, 1], [1, 1]]  # the four short sequences, then the long one
+    assert worst < 1e-4, worst
+    from eyas.models.attention import _long_contexts
+    assert _long_contexts([0, 1, 2, 3, 4], [151, 9, 9, 9, 9]) == {0}
+    assert _long_contexts([0, 1, 2, 3, 4], [20, 9, 9, 9, 9]) == set()  # one more call costs more than the padding
+    assert _long_contexts([0, 1, 2, 3], [300, 290, 10, 10]) == {0, 1}
+
+
 def test_paged_mha_attention_with_groups():
     """The Llama-style paged attention against plain causal SDPA per sequence, with a long chunk between short rows
     and grouped kv heads."""

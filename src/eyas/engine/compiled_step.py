@@ -156,33 +156,41 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
     if not (path.is_file() and used_path.is_file()):
         if progress is not None:
             progress()
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(traced, (*tensors, *args), dynamic_shapes=[tuple(dynamic)], strict=False)
-        baked = [spec.target for spec in program.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
-        if baked:  # a tensor the modules do not hold would be frozen into the kernel, the same for every layer
-            raise RuntimeError(f"compiling {name}: the traced code reads tensors it was not given: {baked}")
-        placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
-        used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
-        if len(used) < len(tensors):  # export again with only what the kernel reads: fewer inputs a call
-            entries = [traced.entries[i] for i in used]
-            pruned = _Traced([], fn)
-            pruned.entries = entries
-            with torch.inference_mode(False), torch.no_grad():
-                program = torch.export.export(pruned, (*[tensors[i] for i in used], *args),
-                                              dynamic_shapes=[(*[None] * len(used), *dynamic[len(tensors):])],
-                                              strict=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # complete files only, even if interrupted
-            staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name))
-            Path(tmp, used_path.name).write_text(json.dumps(used))
-            os.replace(staged, path)
-            os.replace(Path(tmp, used_path.name), used_path)
+        with warnings.catch_warnings():  # torch's notices about its own internals, nothing the user can act on
+            warnings.simplefilter("ignore", FutureWarning)
+            _compile(name, traced, tensors, args, dynamic, path, used_path)
     used = json.loads(used_path.read_text())
     layout = [(list(tensors[i].shape), list(tensors[i].stride()), str(tensors[i].dtype)) for i in used]
-    with warnings.catch_warnings():  # torch's own deprecation notices about its package format
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         loader = torch._inductor.aoti_load_package(str(path)).loader
     return Kernel(name, loader, used, layout)
+
+
+def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequence[torch.Tensor],
+             dynamic: list, path: Path, used_path: Path) -> None:
+    """Export and compile `traced` into the package at `path`, and which of `tensors` it reads into `used_path`."""
+    with torch.inference_mode(False), torch.no_grad():
+        program = torch.export.export(traced, (*tensors, *args), dynamic_shapes=[tuple(dynamic)], strict=False)
+    baked = [spec.target for spec in program.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
+    if baked:  # a tensor the modules do not hold would be frozen into the kernel, the same for every layer
+        raise RuntimeError(f"compiling {name}: the traced code reads tensors it was not given: {baked}")
+    placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
+    used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
+    if len(used) < len(tensors):  # export again with only what the kernel reads: fewer inputs a call
+        entries = [traced.entries[i] for i in used]
+        pruned = _Traced([], traced.fn)
+        pruned.entries = entries
+        with torch.inference_mode(False), torch.no_grad():
+            program = torch.export.export(pruned, (*[tensors[i] for i in used], *args),
+                                          dynamic_shapes=[(*[None] * len(used), *dynamic[len(tensors):])],
+                                          strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # complete files only, even if interrupted
+        staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name))
+        Path(tmp, used_path.name).write_text(json.dumps(used))
+        os.replace(staged, path)
+        os.replace(Path(tmp, used_path.name), used_path)
 
 
 class CompiledTarget:

@@ -97,8 +97,9 @@ class AttentionMetadata:
         slot_mapping = slots[seq_of_row, positions]
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         tails = _long_tails(short, query_lens)
-        members = (_split_at_lanes([b for b in short if b not in tails], seq_lens, geometry)
-                   + [[b] for b in tails] + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY])
+        alone = tails | _long_contexts([b for b in short if b not in tails], seq_lens)
+        members = (_split_at_lanes([b for b in short if b not in alone], seq_lens, geometry)
+                   + [[b] for b in sorted(alone)] + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY])
         starts_list = starts.tolist()
         groups = [_group(m, query_lens, seq_lens, kv_starts, slots, starts_list, geometry, device) for m in members]
         return cls(positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups)
@@ -116,6 +117,29 @@ def _long_tails(short: list[int], query_lens: list[int]) -> set[int]:
         return set()
     typical = sorted(query_lens[b] for b in short)[len(short) // 2]
     return {b for b in short if query_lens[b] > 2 * typical + 2}
+
+
+# one more attention call costs about what this many (query row, context position) pairs of the batched call cost:
+# SDPA over 4 heads' rows and 576-wide latents here, 10 us a call and 0.2-0.4 us a pair, plus the group's bookkeeping
+CALL_COST_PAIRS = 128
+
+
+def _long_contexts(short: list[int], seq_lens: list[int]) -> set[int]:
+    """The short sequences whose contexts are far longer than the rest's, each attended alone (in place, its
+    exact length) so the batched call does not pad every other context to theirs. Of "the j longest alone" for
+    every j, the cheapest: j calls more, the j contexts once each, and every other sequence padded to the longest
+    left. At 32 sequences of the eval prompts (27 to 339 tokens), one padded call read 2.7 times the contexts."""
+    if len(short) < 3:
+        return set()
+    order = sorted(short, key=lambda b: -seq_lens[b])
+    lens = [seq_lens[b] for b in order]
+    best, best_cost, alone_cost = 0, len(lens) * lens[0], 0
+    for j in range(1, len(lens) - 1):
+        alone_cost += CALL_COST_PAIRS + lens[j - 1]
+        cost = alone_cost + (len(lens) - j) * lens[j]
+        if cost < best_cost:
+            best, best_cost = j, cost
+    return set(order[:best])
 
 
 def _in_lane(b: int, seq_lens: list[int], geometry: tuple) -> bool:
