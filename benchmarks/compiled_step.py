@@ -12,32 +12,18 @@ loaded from the disk cache) before anything is timed; the seconds that took are 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
-from width_policy import timed_rounds, warm_up
+from width_policy import parse_run_args, timed_rounds, warm_up
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
-from eyas.paths import DEFAULT_DRAFT, DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
 from eyas.records import read_prompt_file
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT)
-    ap.add_argument("--prompts", type=Path, default=DEFAULT_EVAL_PROMPTS)
-    ap.add_argument("--num-speculative-tokens", type=int, default=3, help="K (default 3)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    ap.add_argument("--new-tokens", type=int, default=96, help="tokens generated per request (default 96)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is kept (default 3)")
-    ap.add_argument("--warmup-runs", type=int, default=1, help="untimed runs per engine and concurrency (default 1)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, help="write the report here as JSON")
-    args = ap.parse_args()
+    args = parse_run_args(__doc__, warmup_runs=1)
 
     prompts = read_prompt_file(args.prompts)
     common = dict(max_num_seqs=max(args.concurrency), threads=args.threads)

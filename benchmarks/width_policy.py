@@ -83,8 +83,9 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, roun
     return {name: len(batch) * params.max_tokens / statistics.median(s) for name, s in seconds.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_run_args(doc: str, warmup_runs: int) -> argparse.Namespace:
+    """The flags of a benchmark that runs engines side by side on the eval prompts at several concurrencies."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT)
     ap.add_argument("--prompts", type=Path, default=DEFAULT_EVAL_PROMPTS)
@@ -92,10 +93,15 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--new-tokens", type=int, default=96, help="tokens generated per request (default 96)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is kept (default 3)")
-    ap.add_argument("--warmup-runs", type=int, default=2, help="untimed runs per engine and concurrency (default 2)")
+    ap.add_argument("--warmup-runs", type=int, default=warmup_runs,
+                    help=f"untimed runs per engine and concurrency (default {warmup_runs})")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, help="write the report here as JSON")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_run_args(__doc__, warmup_runs=2)
 
     prompts = read_prompt_file(args.prompts)
     llms = engines(args)
