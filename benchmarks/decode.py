@@ -48,16 +48,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine and batch size; best is kept")
+    ap.add_argument("--enforce-eager", action="store_true", help="eyas op by op (default: the compiled step, as every "
+                    "eyas command runs on CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes))
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), compiled_step=not args.enforce_eager)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     vocab = llm.model.config.vocab_size
     print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, float32, torch {torch.__version__}")
+          f"{args.new_tokens} new tokens, float32, torch {torch.__version__}, eyas "
+          f"{'eager' if args.enforce_eager else 'compiled step'}")
     print(f"{'batch':>5} {'eyas tok/s':>11} {'hf tok/s':>9} {'ratio':>6}  same tokens")
     for batch in args.batch_sizes:
         prompts = prompts_for(batch, args.prompt_len, vocab)
