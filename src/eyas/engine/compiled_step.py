@@ -20,6 +20,7 @@ run eager. Calls go straight to the compiled runner (`loader.run`), which costs 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from eyas.models import deepseek_v3, eagle3, layers
-from eyas.models.attention import SHORT_QUERY, AttentionMetadata, paged_latent_attention
+from eyas.models.attention import SHORT_QUERY, AttentionMetadata
 from eyas.models.deepseek_v3 import FEW_TOKENS, DecoderLayer, DeepseekV3Model, MLAttention
 from eyas.models.eagle3 import Eagle3Draft
 
@@ -91,11 +92,11 @@ def _bound(entries: list[tuple[nn.Module, str, torch.Tensor]], tensors: Sequence
 
 
 class _Traced(nn.Module):
-    """`fn(*args)` with the tensors of `modules` as the first inputs, for torch.export."""
+    """`fn(*args)` with the tensors of `entries` as the first inputs, for torch.export."""
 
-    def __init__(self, modules: Sequence[nn.Module], fn: Callable) -> None:
+    def __init__(self, entries: list[tuple[nn.Module, str, torch.Tensor]], fn: Callable) -> None:
         super().__init__()
-        self.entries = module_tensors(modules)
+        self.entries = entries  # (module, name, tensor), as module_tensors lists them
         self.fn = fn
 
     def forward(self, *inputs: torch.Tensor):
@@ -128,6 +129,7 @@ class Kernel:
         return self.loader.run([*weights, *(a.contiguous() for a in args)])
 
 
+@functools.cache
 def _source_digest() -> str:
     """The model code the kernels are traced from: a change to it compiles them again."""
     digest = hashlib.sha256()
@@ -143,7 +145,7 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
     disk cache when compiled before. `progress` is called before compiling (not before loading)."""
     if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
         raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
-    traced = _Traced(modules, fn)
+    traced = _Traced(module_tensors(modules), fn)
     tensors = [t for _, _, t in traced.entries]
     least, most = rows
     if not least <= args[0].shape[0] <= most or (least < most and args[0].shape[0] < 2):
@@ -182,9 +184,7 @@ def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequ
     placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
     used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
     if len(used) < len(tensors):  # export again with only what the kernel reads: fewer inputs a call
-        entries = [traced.entries[i] for i in used]
-        pruned = _Traced([], traced.fn)
-        pruned.entries = entries
+        pruned = _Traced([traced.entries[i] for i in used], traced.fn)
         with torch.inference_mode(False), torch.no_grad():
             program = torch.export.export(pruned, (*[tensors[i] for i in used], *args),
                                           dynamic_shapes=[(*[None] * len(used), *dynamic[len(tensors):])],
@@ -205,14 +205,15 @@ class CompiledTarget:
         config = model.config
         self.num_layers = config.num_hidden_layers
         first_attn = model.layers[0].self_attn
-        self.kv_lora_rank, self.scale = first_attn.kv_lora_rank, first_attn.scale
+        self.attentions = [layer.self_attn for layer in model.layers[:self.num_layers]]
         weight = model.embed_tokens.weight
         dtype, device = weight.dtype, weight.device
 
         def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (h, out, cos, sin)
             cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(rows, device=device)))
             return (torch.zeros(rows, config.hidden_size, dtype=dtype, device=device),
-                    torch.zeros(rows, first_attn.num_heads, self.kv_lora_rank, dtype=dtype, device=device), cos, sin)
+                    torch.zeros(rows, first_attn.num_heads, first_attn.kv_lora_rank, dtype=dtype, device=device),
+                    cos, sin)
 
         layers = list(model.layers[:self.num_layers])
         kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
@@ -272,9 +273,7 @@ class CompiledTarget:
         kernel, weights = first
         q, latent = kernel(weights, h, cos, sin)
         for i in range(self.num_layers):
-            cache = kv_caches[i]
-            cache[attn.slot_mapping] = latent.to(cache.dtype)
-            out = paged_latent_attention(q.to(cache.dtype), cache, attn, self.kv_lora_rank, self.scale).to(h.dtype)
+            out = self.attentions[i].cached_attention(q, latent, attn, kv_caches[i])
             if i + 1 < self.num_layers:
                 kernel, weights = steps[i]
                 h, q, latent = kernel(weights, h, out, cos, sin)
@@ -333,7 +332,7 @@ class CompiledDraft:
         cos, sin = (t.to(dtype) for t in draft.rotary(attn.positions))
         kernel, weights = self.inputs
         q, entry, residual = kernel(weights, draft.embed(next_token_ids, hidden.dtype), hidden, cos, sin)
-        out = draft.layers[0].attend(q, entry, attn, cache).to(dtype)
+        out = draft.layers[0].attend(q, entry, attn, cache)
         kernel, weights = self.outputs
         return kernel(weights, residual, out)[0]
 

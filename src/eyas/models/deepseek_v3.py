@@ -101,6 +101,14 @@ class MLAttention(nn.Module):
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         return torch.cat([q_latent, q_rope], dim=-1), torch.cat([kv, k_rope], dim=-1)
 
+    def cached_attention(self, q: torch.Tensor, latent: torch.Tensor, attn: AttentionMetadata,
+                         latent_cache: torch.Tensor) -> torch.Tensor:
+        """Write the rows' latents, then attend over each sequence's context in the absorbed form: [rows, heads,
+        kv_lora_rank], in q's dtype."""
+        latent_cache[attn.slot_mapping] = latent.to(latent_cache.dtype)
+        out = paged_latent_attention(q.to(latent_cache.dtype), latent_cache, attn, self.kv_lora_rank, self.scale)
+        return out.to(q.dtype)
+
     def absorbed_output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """The attention's output [tokens, heads, kv_lora_rank] (latent values) through W_UV and o_proj."""
         w_uv_t = self.w_uv_t if self.w_uv_t is not None else self._absorbed()[1]
@@ -112,9 +120,7 @@ class MLAttention(nn.Module):
             return self._expanded(x, cos, sin)
         if all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups):  # decode and verify rows only
             q, latent = self.absorbed_inputs(x, cos, sin)
-            latent_cache[attn.slot_mapping] = latent.to(latent_cache.dtype)
-            out = paged_latent_attention(q.to(latent_cache.dtype), latent_cache, attn, self.kv_lora_rank, self.scale)
-            return self.absorbed_output(out.to(x.dtype))
+            return self.absorbed_output(self.cached_attention(q, latent, attn, latent_cache))
         q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         # write this step's latents, then attend over each sequence's whole context: decode and verify rows in the
         # absorbed form (one latent per key), prompt chunks in the expanded form (per-head keys and values from

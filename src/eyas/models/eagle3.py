@@ -27,7 +27,7 @@ from torch import nn
 
 from eyas.aux_layers import AuxConvention, default_aux_layer_ids, to_hidden_state_ids
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
-from eyas.models.attention import AttentionMetadata, paged_attention, paged_latent_attention
+from eyas.models.attention import AttentionMetadata, paged_attention
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
 
@@ -359,12 +359,13 @@ class Eagle3DecoderLayer(nn.Module):
 
     def attend(self, q: torch.Tensor, entry: torch.Tensor, attn: AttentionMetadata, cache: torch.Tensor
                ) -> torch.Tensor:
-        """Write the rows' cache entries, then attend over each sequence's context: [rows, heads, value width]."""
-        cache[attn.slot_mapping] = entry.to(cache.dtype)
+        """Write the rows' cache entries, then attend over each sequence's context: [rows, heads, value width], in
+        q's dtype."""
         a = self.self_attn
         if isinstance(a, MLAttention):
-            return paged_latent_attention(q.to(cache.dtype), cache, attn, a.kv_lora_rank, a.scale)
-        return paged_attention(q.to(cache.dtype), cache, attn, a.scale)
+            return a.cached_attention(q, entry, attn, cache)
+        cache[attn.slot_mapping] = entry.to(cache.dtype)
+        return paged_attention(q.to(cache.dtype), cache, attn, a.scale).to(q.dtype)
 
     def after_attention(self, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         a = self.self_attn
