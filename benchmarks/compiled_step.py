@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 
-from width_policy import parse_run_args, timed_rounds, warm_up
+from width_policy import run_args, timed_rounds, warm_up
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
@@ -23,7 +23,7 @@ from eyas.records import read_prompt_file
 
 
 def main() -> None:
-    args = parse_run_args(__doc__, warmup_runs=1)
+    args = run_args(__doc__, warmup_runs=1).parse_args()
 
     prompts = read_prompt_file(args.prompts)
     common = dict(max_num_seqs=max(args.concurrency), threads=args.threads)

@@ -30,7 +30,7 @@ from eyas.records import read_prompt_file
 
 def engines(args: argparse.Namespace) -> dict[str, LLM]:
     """name -> engine: plain, fixed-0..fixed-K, adaptive; one lane per sequence up to the largest concurrency."""
-    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads)
+    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads, compiled_step=not args.enforce_eager)
     out = {"plain": LLM(args.model, **common)}
     top = max(args.concurrency)
     for w in range(args.num_speculative_tokens + 1):
@@ -83,7 +83,7 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, roun
     return {name: len(batch) * params.max_tokens / statistics.median(s) for name, s in seconds.items()}
 
 
-def parse_run_args(doc: str, warmup_runs: int) -> argparse.Namespace:
+def run_args(doc: str, warmup_runs: int) -> argparse.ArgumentParser:
     """The flags of a benchmark that runs engines side by side on the eval prompts at several concurrencies."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -97,11 +97,14 @@ def parse_run_args(doc: str, warmup_runs: int) -> argparse.Namespace:
                     help=f"untimed runs per engine and concurrency (default {warmup_runs})")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, help="write the report here as JSON")
-    return ap.parse_args()
+    return ap
 
 
 def main() -> None:
-    args = parse_run_args(__doc__, warmup_runs=2)
+    ap = run_args(__doc__, warmup_runs=2)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="every engine op by op (default: the compiled step, as every eyas command runs on CPU)")
+    args = ap.parse_args()
 
     prompts = read_prompt_file(args.prompts)
     llms = engines(args)

@@ -268,8 +268,9 @@ def test_drafts_are_dflash_generate_recomputed_from_scratch(random_pair, k):
 
 
 def test_a_pause_leaves_no_hole_in_the_draft_context(random_pair):
-    """Drafting off while three run (disable_batch_size 3): no draft work, the fused context inputs wait on each
-    sequence; once one finishes, the others write them with their own step's and draft again. Their cache entries
+    """Drafting off while three run (disable_batch_size 3): no draft work, the target's states at the context
+    positions wait on each sequence; once one finishes, the others fuse and write them with their own step's and
+    draft again. Their cache entries
     then equal the whole context recomputed, their first drafts equal the reference's, and the output is plain
     greedy's."""
     target, hf, draft_dir = random_pair

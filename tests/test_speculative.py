@@ -113,12 +113,13 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [[5, 6], [7, 8], [9]]
     llm = LLM(copying_mtp, speculative_config=config)
-    speculative_steps = []  # draft forwards
-    forward = llm.draft.forward
-    llm.draft.forward = lambda *args: speculative_steps.append(1) or forward(*args)
+    draft_work = []  # draft forwards, and the fusing of the target's states into step-0 inputs
+    forward, combine = llm.draft.forward, llm.draft.combine_hidden_states
+    llm.draft.forward = lambda *args: draft_work.append("forward") or forward(*args)
+    llm.draft.combine_hidden_states = lambda *args: draft_work.append("combine") or combine(*args)
     crowded = llm.generate(prompts, params)
     assert all(o.num_drafted == 0 for o in crowded)  # three always running: never a draft
-    assert not speculative_steps  # ... and every step is the plain one: no cost over plain decoding
+    assert not draft_work  # ... and every step is the plain one: no cost over plain decoding
     pair = LLM(copying_mtp, speculative_config=config).generate(prompts[:2], params)
     assert all(o.acceptance_length > 3 for o in pair)  # two running: full drafting, the rig accepts nearly all
     plain = LLM(copying_mtp).generate(prompts, params)
@@ -130,7 +131,7 @@ def test_drafting_stops_at_the_disable_batch_size(copying_mtp):
 
 @pytest.mark.parametrize("checkpoint", ["random_mtp", "copying_mtp"])
 def test_drafting_resumes_when_the_batch_shrinks(request, checkpoint):
-    """Three running: no draft work, and the draft's step-0 inputs of every computed position are kept; once one
+    """Three running: no draft work, and the target's states at every computed position are kept; once one
     finishes, the other two catch up in one draft pass and draft again over their whole context. Output equals
     plain greedy throughout, and the sequence invariants hold after every step."""
     path = request.getfixturevalue(checkpoint)

@@ -88,8 +88,8 @@ class StepOutput:
     num_computed: list[int]  # the target's KV holds positions < this (rejected drafts rolled back)
     draft_tokens: list[list[int]]  # proposed for the positions after new_tokens, verified next step
     num_draft_computed: list[int]  # the draft's cache holds positions < this
-    pending_draft_inputs: list[torch.Tensor | None]  # draft step-0 inputs of positions this step computed that the
-    # draft did not (drafting was off): kept so that drafting resumes with the whole context
+    pending_draft_inputs: list[torch.Tensor | None]  # the target's states (unfused step-0 inputs) at positions this
+    # step computed that the draft did not (drafting was off): kept so that drafting resumes with the whole context
     logprobs: list[list[TokenLogprobs] | None]  # per new token, for sequences that asked for them
     num_verified: list[int]  # drafts verified this step
     num_accepted: list[int]  # of those, accepted

@@ -17,12 +17,12 @@ gets its entry once the target has computed it. Only kept positions are written,
 draft, and nothing past num_draft_computed is read: a slot there is rewritten when its position is computed (after a
 preemption too). That is the whole rollback.
 
-Drafting off (width 0) runs no draft work: the fused states of the kept positions wait on the sequence
-(`pending_draft_inputs`, at most MAX_PENDING_ROWS each), and the first step that drafts again writes them with its
-own, so the context never has a hole. With num_draft_computed 20 and three plain steps (positions 20, 21, 22 waiting),
-the step that computes 23 writes 20..23 and anchors its block at 24. The width policy, the budgets and the handling
-of structured output are `Proposer`'s: a constrained sequence's draft k is the argmax of block row k over the tokens
-its grammar allows after drafts 1..k-1.
+Drafting off (width 0) runs no draft work: the target's states at the kept positions wait on the sequence, unfused
+(`pending_draft_inputs`, at most MAX_PENDING_ROWS each), and the first step that drafts again fuses and writes them
+with its own, so the context never has a hole. With num_draft_computed 20 and three plain steps (positions 20, 21,
+22 waiting), the step that computes 23 writes 20..23 and anchors its block at 24. The width policy, the budgets and
+the handling of structured output are `Proposer`'s: a constrained sequence's draft k is the argmax of block row k
+over the tokens its grammar allows after drafts 1..k-1.
 
 The block reads its context by gathering the entries of the A drafting sequences from the paged cache into one
 padded [A, C_max, ...] tensor, a mask hiding each shorter context's padding: the model's forward takes the context's
@@ -93,7 +93,7 @@ class BlockProposer(Proposer):
                 width: int) -> Proposal:
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
-        per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)  # the fused target states kept this step
+        per_seq = self._kept_states(layout, hidden, aux, num_accepted)  # the target states kept this step
         paused = self._paused(seqs, per_seq, num_computed, width)
         if paused is not None:
             return paused
@@ -121,15 +121,15 @@ class BlockProposer(Proposer):
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
 
     def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int]) -> None:
-        """Cache entries of positions num_draft_computed..num_computed - 1 of each sequence: its pending inputs,
-        then this step's kept rows, one per position."""
+        """Cache entries of positions num_draft_computed..num_computed - 1 of each sequence: its pending target
+        states, then this step's kept rows, one per position, fused."""
         inputs, starts = [], []
         for seq, x in zip(seqs, per_seq):
             inputs.extend(seq.pending_draft_inputs)
             inputs.append(x)
             starts.append(seq.num_draft_computed)
         positions, slots = self._slots(seqs, starts, num_computed)
-        fused = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [positions, H]
+        fused = self._fused(torch.cat(inputs) if len(inputs) > 1 else inputs[0])  # [positions, H]
         assert fused.shape[0] == positions.shape[0], "one fused input per new context position"
         self.draft_cache.index_copy_(0, slots, self.draft.cache_entries(fused, positions).to(self.draft_cache.dtype))
 

@@ -10,8 +10,9 @@ d11 rejected: the target's x11 is committed after d10, its KV is kept for positi
 (h9, d10) and (h10, x11) at positions 9 and 10 and proposes d12' for position 12 (x11, at 11, is computed next
 step with the drafts); steps 1 and 2 run at positions 11 and 12 and propose d13', d14'.
 
-Drafting off (width 0: a large batch) runs no draft at all; the step-0 inputs of the positions the target computed
-are kept on the sequence instead, and the first step that drafts again runs them in the same step-0 pass, so the
+Drafting off (width 0: a large batch) runs no draft work at all, not even the fusing of the target's states: the
+target's states at the positions it computed (its final hidden state and the aux states, unfused) are kept on the
+sequence instead, and the first step that drafts again fuses them and runs them in the same step-0 pass, so the
 draft never attends to a hole in its context. Structured output: a constrained sequence's proposals are the argmax
 over the tokens its grammar allows; its matcher is advanced while drafting and rolled back after.
 """
@@ -30,8 +31,9 @@ from eyas.engine.grammar import apply_bitmask
 from eyas.engine.sequence import Sequence
 from eyas.models.attention import AttentionMetadata
 
-# a sequence's draft inputs kept while drafting is off, at most; then step 0 runs them (the draft cache stays full):
-# at DeepSeek-V3's hidden size, 7 MB per sequence in bfloat16
+# positions whose target states a sequence keeps while drafting is off, at most; then step 0 runs them (the draft
+# cache stays full). At DeepSeek-V3's hidden size, with an EAGLE-3 draft's three aux states beside the final one,
+# 29 MB per sequence in bfloat16; fewer would make a longer prompt run the draft while drafting is off
 MAX_PENDING_ROWS = 512
 
 
@@ -112,7 +114,7 @@ class Proposer:
                 width: int) -> Proposal:
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
-        per_seq = self._kept_inputs(layout, hidden, aux, num_accepted)
+        per_seq = self._kept_states(layout, hidden, aux, num_accepted)
         paused = self._paused(seqs, per_seq, num_computed, width)
         if paused is not None:
             return paused
@@ -128,7 +130,7 @@ class Proposer:
         caught_up = any(s.pending_draft_inputs for s in seqs)
         attn = AttentionMetadata.build(lens, num_computed, [s.block_table for s in seqs], self.block_size,
                                        self.device, lanes=self.lanes)
-        prenorm = self.draft(torch.cat(inputs) if len(inputs) > 1 else inputs[0],
+        prenorm = self.draft(self._fused(torch.cat(inputs) if len(inputs) > 1 else inputs[0]),
                              torch.tensor(next_tokens, device=self.device), attn, self.draft_cache)
         last_rows = torch.tensor(lens).cumsum(0) - 1
 
@@ -153,19 +155,27 @@ class Proposer:
         self._rollback_grammars(seqs, grammar_steps, drafts)
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
 
-    def _kept_inputs(self, layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
+    @staticmethod
+    def _kept_states(layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
                      num_accepted: list[int]) -> list[torch.Tensor]:
-        """Per sequence, the draft's fused inputs [kept rows, H] at the positions the target kept this step."""
+        """Per sequence, the target's states [kept rows, 1 + len(aux), H] at the positions it kept this step: its
+        final hidden state, then the aux states, as `_fused` reads them."""
         kept = [layout.kept_rows(i, a) for i, a in enumerate(num_accepted)]
         rows = [r for k in kept for r in k]
-        fused = self.draft.combine_hidden_states(hidden[rows], [a[rows] for a in aux])
-        return list(fused.split([len(k) for k in kept]))
+        states = torch.stack([hidden, *aux], dim=1)
+        if len(rows) < states.shape[0]:  # rejected drafts and prompt rows that sample nothing are not kept
+            states = states[rows]
+        return list(states.split([len(k) for k in kept]))
+
+    def _fused(self, states: torch.Tensor) -> torch.Tensor:
+        """The draft's step-0 inputs [rows, H] from target states [rows, 1 + len(aux), H] (`_kept_states`)."""
+        return self.draft.combine_hidden_states(states[:, 0], list(states[:, 1:].unbind(1)))
 
     def _paused(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int],
                 width: int) -> Proposal | None:
-        """At width 0, while no sequence keeps more than MAX_PENDING_ROWS inputs: no draft work, the inputs kept
-        for when drafting resumes (copies: a view would keep the whole step's rows alive). Else None."""
-        # the kept inputs are those of the positions the target computed and the draft did not
+        """At width 0, while no sequence keeps more than MAX_PENDING_ROWS positions: no draft work, the target's
+        states kept for when drafting resumes (copies: a view would keep the whole step's rows alive). Else None."""
+        # the kept states are those of the positions the target computed and the draft did not
         pending = [end - s.num_draft_computed for s, end in zip(seqs, num_computed)]
         if width == 0 and max(pending) <= MAX_PENDING_ROWS:
             return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],

@@ -12,8 +12,8 @@ steps every sequence satisfies these invariants (`check_invariants` asserts them
   running      the blocks hold the cached positions (num_computed) and, with drafts, every position the next step
                writes (len(token_ids) + len(draft_tokens): the draft's cache already holds entries of its drafts)
   draft        num_draft_computed <= num_computed: the draft's cache holds positions below num_draft_computed, and
-               pending_draft_inputs holds the draft's step-0 inputs of the positions in between (one row each), so
-               drafting that was paused resumes by running them first
+               pending_draft_inputs holds the target's states the draft's step 0 reads at the positions in between
+               (one row each, unfused), so drafting that was paused resumes by running them first
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Sequence:
         self.block_table: list[int] = []  # shared by the target's cache and the draft's
         self.draft_tokens: list[int] = []  # proposed last step, verified next step
         self.num_draft_computed = 0  # positions in the draft's cache
-        self.pending_draft_inputs: list[torch.Tensor] = []  # step-0 inputs of positions num_draft_computed.. on
+        self.pending_draft_inputs: list[torch.Tensor] = []  # target states of positions num_draft_computed.. on
         self.acceptance = AcceptanceCounts()
         self.logprobs: list[TokenLogprobs] = []  # per generated token, when params.logprobs is set
         self.status = Status.WAITING
