@@ -4,8 +4,11 @@ run on a warm engine (as a server runs: its width policy has seen traffic before
     python benchmarks/width_policy.py                                  # bundled target + MLA draft, c = 1 4 16 32
     python benchmarks/width_policy.py --concurrency 16 32 --rounds 5 --out report.json
 
-Per concurrency c: the first c prompts of --prompts run at once (greedy, --new-tokens each, ignore_eos), through a
-plain engine, an engine verifying a fixed width w for every w in 0..K, and the adaptive one. Each engine is warmed at
+Per concurrency c: c x --requests-per-slot prompts of --prompts run with at most c at a time, a new one taking
+each finished one's place as on a server (greedy, --new-tokens each, ignore_eos), through a plain engine, an engine
+verifying a fixed width w for every w in 0..K, and the adaptive one. (Exactly c requests started together end in a
+tail of a few sequences that accepted least, whose steps run at a small batch: there a width that drafts less loses
+least, and the tail weighs on the run as it seldom does on a server.) Each engine is warmed at
 that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so a slow
 spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
 output tok/s of each, the best fixed width in hindsight, adaptive / best fixed and speculative / plain, and the
@@ -60,17 +63,24 @@ def count_widths(llm: LLM) -> Counter:
     return widths
 
 
-def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams, runs: int) -> None:
+def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams, runs: int, concurrency: int | None = None
+            ) -> None:
     for llm in llms.values():
+        llm.scheduler.max_num_seqs = concurrency or len(batch)
         for _ in range(runs):
             llm.generate(batch, params, use_tqdm=False)
 
 
-def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, rounds: int) -> dict[str, float]:
-    """Output tok/s of each engine over `batch`: the median of `rounds` rounds, each running every engine once in
-    turn. Greedy outputs must equal the first engine's, token for token."""
+def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, rounds: int,
+                 concurrency: int | None = None) -> dict[str, float]:
+    """Output tok/s of each engine over `batch`, at most `concurrency` sequences at a time (default all of them):
+    the median of `rounds` rounds, each running every engine once in turn. Greedy outputs must equal the first
+    engine's, token for token."""
+    concurrency = concurrency or len(batch)
     seconds: dict[str, list[float]] = {name: [] for name in llms}
     reference, first = None, next(iter(llms))
+    for llm in llms.values():
+        llm.scheduler.max_num_seqs = concurrency
     for _ in range(rounds):
         for name, llm in llms.items():
             start = time.perf_counter()
@@ -79,7 +89,7 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, roun
             tokens = [o.token_ids for o in outs]
             reference = reference or tokens
             if tokens != reference:
-                raise SystemExit(f"c={len(batch)}: {name}'s greedy output differs from {first}'s")
+                raise SystemExit(f"c={concurrency}: {name}'s greedy output differs from {first}'s")
     return {name: len(batch) * params.max_tokens / statistics.median(s) for name, s in seconds.items()}
 
 
@@ -104,6 +114,8 @@ def main() -> None:
     ap = run_args(__doc__, warmup_runs=2)
     ap.add_argument("--enforce-eager", action="store_true",
                     help="every engine op by op (default: the compiled step, as every eyas command runs on CPU)")
+    ap.add_argument("--requests-per-slot", type=int, default=3,
+                    help="requests per concurrency slot: c x this many run, at most c at a time (default 3)")
     args = ap.parse_args()
 
     prompts = read_prompt_file(args.prompts)
@@ -111,12 +123,12 @@ def main() -> None:
     widths = count_widths(llms["adaptive"])
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     report = {"model": str(args.model), "draft_model": str(args.draft_model), "new_tokens": args.new_tokens,
-              "rounds": args.rounds, "results": {}}
+              "requests_per_slot": args.requests_per_slot, "rounds": args.rounds, "results": {}}
     for c in args.concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        warm_up(llms, batch, params, args.warmup_runs)
+        batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]
+        warm_up(llms, batch, params, args.warmup_runs, c)
         widths.clear()
-        tok_s = timed_rounds(llms, batch, params, args.rounds)
+        tok_s = timed_rounds(llms, batch, params, args.rounds, c)
         fixed = {name: v for name, v in tok_s.items() if name.startswith("fixed-")}
         best = max(fixed, key=fixed.get)
         spec_best = max(tok_s["adaptive"], fixed[best])

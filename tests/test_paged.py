@@ -406,24 +406,37 @@ def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):
     assert outputs[True, None] == outputs[False, None] == outputs[True, "mtp"] == outputs[False, "mtp"]
 
 
-def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(monkeypatch, dtype):
     """A decode step's attention over 8 contexts of 100 positions runs on parallel_threads() (here 2), one sequence
-    at a time on 1, and the outputs are equal bit for bit; torch's thread count is back to 1 after."""
+    at a time on 1, and the outputs are equal bit for bit; torch's thread count is back to 1 after. float32 runs
+    the C kernel (on 2, two calls of 4 sequences on its own threads), float64 torch's SDPA."""
+    import threading
+
     import torch.nn.functional as F
 
     from eyas import threads
-    from eyas.models import attention
+    from eyas.models import attention, latent_kernel
 
     torch.manual_seed(4)
     block_size, batch, context, heads, width = 4, 8, 100, 4, 40
     tables = [list(range(b * 25, (b + 1) * 25)) for b in range(batch)]
     attn = AttentionMetadata.build([1] * batch, [context] * batch, tables, block_size)
-    cache = torch.randn(batch * 25 * block_size, width)
-    q = torch.randn(batch, heads, width)
-    seen = []
+    cache = torch.randn(batch * 25 * block_size, width, dtype=dtype)
+    q = torch.randn(batch, heads, width, dtype=dtype)
+    sdpa_threads, kernel_threads = [], []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *a, **k: seen.append(torch.get_num_threads()) or sdpa(*a, **k))
+                        lambda *a, **k: sdpa_threads.append(torch.get_num_threads()) or sdpa(*a, **k))
+    library = latent_kernel._library()
+    run = library.latent_attention_f32
+
+    class Counted:  # the library's function, noting each call's batch rows and thread
+        def __call__(self, *args):
+            kernel_threads.append((args[6], threading.get_ident()))
+            return run(*args)
+
+    monkeypatch.setattr(latent_kernel, "_library", lambda: type("L", (), {"latent_attention_f32": Counted()})())
     assert torch.get_num_threads() == 1
     outs = []
     for parallel in (1, 2):
@@ -431,5 +444,63 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
         for group in attn.groups:
             group.head_bias = None
         outs.append(attention.paged_latent_attention(q, cache, attn, 32, 0.1))
-    assert seen == [1, 2] and torch.get_num_threads() == 1
+    if dtype == torch.float32:
+        assert not sdpa_threads and [rows for rows, _ in kernel_threads] == [8, 4, 4]
+        assert kernel_threads[0][1] == threading.get_ident() != kernel_threads[1][1]
+    else:
+        assert sdpa_threads == [1, 2] and not kernel_threads
+    assert torch.get_num_threads() == 1
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("width, value_dim, heads, positions", [(576, 512, 4, 1), (576, 512, 4, 4), (32, 24, 4, 3),
+                                                                 (40, 20, 2, 5)])
+def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, positions):
+    """The C kernel against torch's SDPA: latents read through batch strides (a lane view), causal masks, contexts
+    of different lengths and widths that are not multiples of its vector width; each row's numbers are the same
+    computed alone as beside other rows and other sequences (decode and verify agree bit for bit)."""
+    import torch.nn.functional as F
+
+    from eyas.models.latent_kernel import latent_attention, takes
+
+    torch.manual_seed(0)
+    batch, context = 3, 45
+    kv = torch.randn(batch, context + 7, width)[:, :context]  # a strided batch, as lanes of the cache give
+    q = torch.randn(batch, positions * heads, width)
+    bias = torch.zeros(batch, positions, context)
+    for b, length in enumerate((45, 30, 12)):  # causal: position j of sequence b sees length - positions + j + 1
+        for j in range(positions):
+            bias[b, j, length - positions + j + 1:] = float("-inf")
+    assert takes(q, kv, value_dim)
+    out = latent_attention(q, kv, bias, 0.2, value_dim)
+    expected = F.scaled_dot_product_attention(q[:, None], kv[:, None], kv[:, None], scale=0.2,
+                                              attn_mask=bias.repeat_interleave(heads, 1)[:, None])[:, 0, :, :value_dim]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+    last = latent_attention(q[2:, -heads:], kv[2:], bias[2:, -1:], 0.2, value_dim)  # one sequence's last position
+    assert torch.equal(last, out[2:, -heads:])
+
+
+def test_the_latent_kernel_refuses_what_it_cannot_compute():
+    from eyas.models.latent_kernel import latent_attention
+
+    kv, q = torch.randn(1, 8, 32), torch.randn(1, 4, 32)
+    hidden = torch.full((1, 1, 8), float("-inf"))
+    with pytest.raises(RuntimeError, match="sees no position"):
+        latent_attention(q, kv, hidden, 0.1, 32)
+    with pytest.raises(ValueError, match="do not fit together"):
+        latent_attention(q, kv[:, :4], torch.zeros(1, 1, 8), 0.1, 32)
+
+
+def test_attention_runs_sdpa_where_the_kernel_cannot_be_built(tmp_path, monkeypatch):
+    """No C compiler: a warning that says so and what to set, then the same attention through SDPA."""
+    from eyas.models import latent_kernel
+
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(latent_kernel, "COMPILER", str(tmp_path / "no-such-cc"))
+    latent_kernel._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="runs torch's SDPA.*set CC"):
+            assert not latent_kernel.takes(torch.randn(1, 4, 32), torch.randn(1, 8, 32), 32)
+    finally:
+        latent_kernel._library.cache_clear()
+    assert not list(tmp_path.rglob("*.so"))

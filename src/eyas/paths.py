@@ -8,6 +8,7 @@ defaults then name paths that do not exist, and `missing_hint` says to pass the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -42,3 +43,10 @@ def missing_hint(message: str) -> str | None:
     wanted = ", ".join(dict.fromkeys(what for _, what in missing))
     return (f"the bundled examples are not installed with this eyas (looked in {', '.join(map(str, CANDIDATES))}); "
             f"give {wanted}")
+
+
+def compiled_dir() -> Path:
+    """Where the kernels eyas compiles on this machine are kept: $EYAS_CACHE_DIR/compiled, else
+    ~/.cache/eyas/compiled."""
+    root = os.environ.get("EYAS_CACHE_DIR") or Path.home() / ".cache" / "eyas"
+    return Path(root) / "compiled"

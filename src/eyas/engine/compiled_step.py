@@ -39,17 +39,12 @@ from eyas.models import deepseek_v3, eagle3, layers
 from eyas.models.attention import SHORT_QUERY, AttentionMetadata
 from eyas.models.deepseek_v3 import FEW_TOKENS, DecoderLayer, DeepseekV3Model, MLAttention
 from eyas.models.eagle3 import Eagle3Draft
+from eyas.paths import compiled_dir as cache_dir
 
 # the most rows a compiled step takes: the MoE's all-experts form is the right one up to FEW_TOKENS rows
 MAX_ROWS = FEW_TOKENS
 # the packed forms a compiler does not need (it fuses the plain form itself); set to None while a kernel is traced
 TRACE_WITHOUT = ("weight_pair",)
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels are kept: $EYAS_CACHE_DIR/compiled, else ~/.cache/eyas/compiled."""
-    root = os.environ.get("EYAS_CACHE_DIR") or Path.home() / ".cache" / "eyas"
-    return Path(root) / "compiled"
 
 
 def module_tensors(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
