@@ -31,6 +31,14 @@ def test_the_defaults_are_bundled_files_the_wheel_ships():
             assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in the wheel's package data"
 
 
+def test_the_wheel_ships_the_c_sources_compiled_on_first_use():
+    src = Path(eyas.__file__).parent
+    shipped = {f"{package}/{name}" for package, names in SETUPTOOLS["package-data"].items() for name in names}
+    for source in src.rglob("*.c"):
+        package = ".".join(("eyas", *source.parent.relative_to(src).parts))
+        assert f"{package}/{source.name}" in shipped, f"{source} is not in the wheel's package data"
+
+
 def test_a_missing_bundled_example_says_to_pass_the_model(monkeypatch, tmp_path):
     gone = tmp_path / "tiny-deepseek-v3"
     monkeypatch.setattr(paths, "BUNDLED", {gone: "a target checkpoint (--model DIR)"})
