@@ -8,6 +8,8 @@ from eyas.engine.adaptive_width import AdaptiveWidth, bucket_of
 
 TIMES = {0: 0.010, 1: 0.014, 2: 0.017, 3: 0.021}  # the worked example in the module
 ACCEPTED = [3, 2, 2, 1, 0]  # five sequences' accepted drafts at width 3: q = 0.8, 0.6, 0.2
+# width 3 faster than in the example: both neighbours of width 2 within BACKOFF_LOSS of it (w1 9%, w3 6% behind)
+CLOSE = {**TIMES, 3: 0.0195}
 
 
 def run(policy: AdaptiveWidth, steps: int, batch: int = 5, times=TIMES, accepted=ACCEPTED) -> list[int]:
@@ -35,7 +37,7 @@ def test_every_width_is_timed_widest_first_then_the_best_is_kept():
 
 def test_neighbours_are_probed_in_turn_and_a_better_one_taken_only_past_the_margin():
     policy = AdaptiveWidth(max_width=3, probe_every=10)
-    widths = run(policy, 40)
+    widths = run(policy, 40, times=CLOSE)
     # two steps in every ten (the first proposes the probe's drafts, the second is timed): the wider neighbour,
     # then the narrower
     assert [(i, w) for i, w in enumerate(widths) if w != 2 and i >= 4] == [
@@ -191,7 +193,26 @@ def test_small_batches_probe_more_often():
     probe_every / 4 steps, bucket 4 every probe_every / 2, bucket 8 and up every probe_every."""
     for batch, every in ((1, 16), (4, 32), (8, 64), (32, 64)):
         policy = AdaptiveWidth(max_width=3)
-        widths = run(policy, 8 + 4 * every, batch=batch)
+        widths = run(policy, 8 + 4 * every, batch=batch, times=CLOSE)
         width = policy.buckets[bucket_of(batch)].width
         probes = [i for i in range(8, len(widths)) if widths[i] != width]
         assert len(probes) == 8 and probes[2] - probes[0] == every, (batch, probes)
+
+
+def test_probes_back_off_while_the_neighbour_is_far_behind():
+    """Width 0 best and width 1 30% behind (a probe of width 1 also runs the draft over the positions since the
+    last): each probe doubles the wait before the next, up to MAX_BACKOFF probe periods; once width 1 comes within
+    BACKOFF_LOSS, probes are every period again."""
+    from eyas.engine.adaptive_width import MAX_BACKOFF
+
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 25.7 ms, 0.7x width 0's rate
+    policy = AdaptiveWidth(max_width=3, probe_every=64)
+    widths = run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=slow)
+    starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [32, 64, 128, 128] and all(g == 16 * MAX_BACKOFF for g in gaps[3:]), starts
+    close = {**slow, 1: 0.0165}  # 1.8 / 16.5 ms: now ahead of width 0 by 9%, past the margin
+    widths = run(policy, 16 * MAX_BACKOFF + 16 * 10, batch=1, times=close)
+    starts = [i for i in range(1, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+    assert [b - a for a, b in zip(starts, starts[1:])][:3] == [16, 16, 16], starts  # the first probe saw it close
+    assert policy.buckets[1].width == 1  # ... and once half the window of width 1's steps is new, it is taken

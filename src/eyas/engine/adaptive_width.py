@@ -20,8 +20,12 @@ when every sequence verified and proposed that width); a new best replaces the c
 by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
 width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
 narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
-difference, not of a run at the widest width. The width changes only how many drafts are verified: outputs are the
-same at every width (greedy: token for token; sampling: in distribution).
+difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
+current one doubles the wait before the next (up to MAX_BACKOFF times): a probe away from width 0 also runs the
+draft over every position computed since the last (its context must have no hole), which at one sequence cost 6% of
+the run when speculation did not pay; one that finds its width close brings the wait back to probe_every. The width
+changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
+in distribution).
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
 per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
@@ -35,6 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MAX_TRIES = 4  # steps a width is tried while untimed; then the line through the timed widths speaks for it
+BACKOFF_LOSS = 0.1  # a probed width this far behind the current one (tokens per second) makes probes rarer
+MAX_BACKOFF = 8  # probes at most this many times rarer than probe_every
 
 
 def bucket_of(batch_size: int) -> int:
@@ -51,6 +57,10 @@ class _Bucket:
     # before chose the same width and no sequence was cut short, so tries are bounded, not repeated until one counts)
     width: int
     calls: int = 0  # widths chosen so far
+    next_probe: int = 0  # the call that starts the next probe (0: not scheduled yet)
+    probes: int = 0  # probes so far (even: the wider neighbour, odd: the narrower)
+    probed: int | None = None  # the width of the probe that ran last, until its outcome sets the backoff
+    backoff: int = 1  # the wait between probes, in probe periods
 
 
 @dataclass
@@ -89,12 +99,35 @@ class AdaptiveWidth:
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
         every = min(self.probe_every, max(self.probe_every // 4, self.probe_every * bucket_of(batch_size) // 8))
-        if bucket.calls % every >= every - 2:
-            wider = (bucket.calls // every) % 2 == 0
-            if bucket.width == 0 or (wider and bucket.width < self.max_width):
-                return bucket.width + 1
-            return bucket.width - 1
+        if bucket.probed is not None and bucket.calls >= bucket.next_probe + 2:  # the last probe's outcome is in
+            self._back_off(batch_size, bucket)
+            bucket.next_probe += every * bucket.backoff
+        if bucket.next_probe == 0:
+            bucket.next_probe = (bucket.calls // every + 1) * every - 2 if bucket.calls % every < every - 2 \
+                else bucket.calls
+        if bucket.next_probe <= bucket.calls <= bucket.next_probe + 1:
+            wider = bucket.probes % 2 == 0
+            width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
+                else bucket.width - 1
+            if bucket.calls == bucket.next_probe + 1:
+                bucket.probes += 1
+                bucket.probed = width
+            return width
         return bucket.width
+
+    def _back_off(self, batch_size: int, bucket: _Bucket) -> None:
+        """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
+        own step: wait twice as long for the next; close by either: wait probe_every (a change of speed shows in the
+        probe's step before it moves the median)."""
+        scores, width = self._scores(batch_size), bucket.probed
+        rates = [q if q is not None else 0.0 for q in bucket.accepted_rate]
+        samples = bucket.samples[width]
+        latest = (1.0 + sum(rates[:width])) / max(samples[-1], 1e-9) if samples else None
+        current = scores[bucket.width]
+        far = current is not None and all(score is not None and score < current * (1 - BACKOFF_LOSS)
+                                          for score in (scores[width], latest))
+        bucket.backoff = min(2 * bucket.backoff, MAX_BACKOFF) if far else 1
+        bucket.probed = None
 
     def step_times(self, batch_size: int) -> list[float | None]:
         """The seconds per step the choice is made on, at each width (None before any width is timed)."""
