@@ -27,10 +27,11 @@ def test_buckets_are_powers_of_two():
 
 def test_every_width_is_timed_widest_first_then_the_best_is_kept():
     policy = AdaptiveWidth(max_width=3)
-    widths = run(policy, 10)
-    assert widths[:4] == [3, 2, 1, 0]
+    widths = run(policy, 13)
+    # width 0 until it has min_samples steps of its own (it is never read off the line through the others)
+    assert widths[:7] == [3, 2, 1, 0, 0, 0, 0]
     # tokens/s per sequence: w0 1/10, w1 1.8/14 = 0.129, w2 2.4/17 = 0.141, w3 2.6/21 = 0.124
-    assert widths[4:] == [2] * 6
+    assert widths[7:] == [2] * 6
     # per sequence, with the step time scaled to the bucket's size (5 sequences time bucket 8)
     assert policy.tokens_per_second(5, 2) == pytest.approx(2.4 / (0.017 * 8 / 5))
 
@@ -40,7 +41,7 @@ def test_neighbours_are_probed_in_turn_and_a_better_one_taken_only_past_the_marg
     widths = run(policy, 40, times=CLOSE)
     # two steps in every ten (the first proposes the probe's drafts, the second is timed): the wider neighbour,
     # then the narrower
-    assert [(i, w) for i, w in enumerate(widths) if w != 2 and i >= 4] == [
+    assert [(i, w) for i, w in enumerate(widths) if w != 2 and i >= 7] == [
         (7, 3), (8, 3), (17, 1), (18, 1), (27, 3), (28, 3), (37, 1), (38, 1)]
     # width 3 becomes 2% better than width 2 (measured on the probes): not enough past a 5% margin, enough past 1%
     for margin, expected in ((0.05, 2), (0.01, 3)):
@@ -63,16 +64,21 @@ def test_a_slow_spell_does_not_move_the_width():
 
 
 def test_widths_not_run_lately_are_read_off_a_line_through_the_others():
-    """Widths with fewer than min_samples recent steps take their time from the least-squares line through every
-    timed width's median; a width with enough steps keeps its own median."""
+    """Widths from 1 up with fewer than min_samples recent steps take their time from the least-squares line through
+    the medians of the timed widths from 1 up; a width with enough steps keeps its own median, and width 0 (no draft
+    work: off that line) its own median from its first step."""
     policy = AdaptiveWidth(max_width=3, min_samples=3, probe_every=1000)
-    for w, t in ((0, 0.010), (1, 0.013), (2, 0.016), (3, 0.025)):
+    for w, t in ((0, 0.004), (1, 0.013), (2, 0.016), (3, 0.025)):
         policy.observe(4, w, t, [(w, 0)] * 4)
     for _ in range(3):
-        policy.observe(4, 0, 0.010, [(0, 0)] * 4)
-    # line through (0, 10), (1, 13), (2, 16), (3, 25) ms: slope 4.8 ms, 16 - 4.8 * 1.5 = 8.8 at w = 0 (not used: w0
-    # has its own three), 13.6 at w = 1, 18.4 at w = 2, 23.2 at w = 3
-    assert policy.step_times(4) == pytest.approx([0.010, 0.0136, 0.0184, 0.0232])
+        policy.observe(4, 2, 0.016, [(2, 0)] * 4)
+    # line through (1, 13), (2, 16), (3, 25) ms: slope 6 ms, 18 - 6 = 12 at w = 1, 18 at w = 2 (not used: w2 has its
+    # own four), 24 at w = 3; w0 its one step
+    assert policy.step_times(4) == pytest.approx([0.004, 0.012, 0.016, 0.024])
+    fresh = AdaptiveWidth(max_width=3, probe_every=1000)  # width 0 and one drafting width: the line runs through both
+    for w, t in ((0, 0.010), (2, 0.016)):
+        fresh.observe(4, w, t, [(w, 0)] * 4)
+    assert fresh.step_times(4) == pytest.approx([0.010, 0.013, 0.016, 0.019])
 
 
 def test_buckets_choose_separately():
@@ -171,8 +177,9 @@ def test_a_width_whose_steps_are_never_timed_is_tried_a_few_times_only():
     from eyas.engine.adaptive_width import MAX_TRIES
 
     policy = AdaptiveWidth(max_width=3)
-    widths = [policy.width(8) for _ in range(4 * MAX_TRIES + 5)]
-    assert widths == [3] * MAX_TRIES + [2] * MAX_TRIES + [1] * MAX_TRIES + [0] * MAX_TRIES + [3] * 5
+    zero = MAX_TRIES + policy.min_samples - 1  # width 0 is tried for min_samples timed steps
+    widths = [policy.width(8) for _ in range(3 * MAX_TRIES + zero + 5)]
+    assert widths == [3] * MAX_TRIES + [2] * MAX_TRIES + [1] * MAX_TRIES + [0] * zero + [3] * 5
 
 
 def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():

@@ -11,9 +11,11 @@ as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the 
 
 time(w) is the median of width w's recent steps (each scaled to the bucket's size: time x bucket / sequences) where
 it has `min_samples` of them (a median: one step slowed by another process does not move it), else read off the
-least-squares line through the medians of every width timed so far: a step's time grows about linearly with the
-width (w more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32
-sequences), so the widths probed inform the ones not run lately.
+least-squares line through the medians of every width from 1 up timed so far: a step's time grows about linearly
+with the width (w more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32
+sequences), so the widths probed inform the ones not run lately. Width 0 is off that line (no draft work at all:
+with the compiled step at one sequence 3.1 ms against 8.5, 8.1 and 8.4 at widths 1 to 3), so it is always its own
+median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
@@ -92,7 +94,8 @@ class AdaptiveWidth:
         bucket = self._bucket(batch_size)
         bucket.calls += 1
         for w in range(self.max_width, -1, -1):
-            if not bucket.samples[w] and bucket.tries[w] < MAX_TRIES:
+            wanted = self.min_samples if w == 0 else 1  # width 0 is never read off the line
+            if len(bucket.samples[w]) < wanted and bucket.tries[w] < MAX_TRIES + wanted - 1:
                 bucket.tries[w] += 1
                 return w
         # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
@@ -133,13 +136,15 @@ class AdaptiveWidth:
         """The seconds per step the choice is made on, at each width (None before any width is timed)."""
         samples = self._bucket(batch_size).samples
         medians = [statistics.median(s) if s else None for s in samples]
-        timed = [w for w, m in enumerate(medians) if m is not None]
+        timed = [w for w, m in enumerate(medians) if m is not None and w > 0]
+        if len(timed) < 2:  # no line through the drafting widths yet: width 0 may anchor it
+            timed = [w for w, m in enumerate(medians) if m is not None]
         if len(timed) < 2:
             return medians
         mean_w, mean_t = statistics.fmean(timed), statistics.fmean(medians[w] for w in timed)
         spread = sum((w - mean_w) ** 2 for w in timed)
         slope = sum((w - mean_w) * (medians[w] - mean_t) for w in timed) / spread
-        return [medians[w] if len(samples[w]) >= self.min_samples
+        return [medians[w] if len(samples[w]) >= self.min_samples or (w == 0 and samples[w])
                 else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
