@@ -408,7 +408,7 @@ def test_the_engine_decodes_the_same_with_and_without_lanes(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(monkeypatch, dtype):
-    """A decode step's attention over 8 contexts of 100 positions runs on parallel_threads() (here 2), one sequence
+    """A decode step's attention over 8 contexts of 300 positions runs on parallel_threads() (here 2), one sequence
     at a time on 1, and the outputs are equal bit for bit; torch's thread count is back to 1 after. float32 runs
     the C kernel (on 2, two calls of 4 sequences on its own threads), float64 torch's SDPA."""
     import threading
@@ -419,10 +419,10 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
     from eyas.models import attention, latent_kernel
 
     torch.manual_seed(4)
-    block_size, batch, context, heads, width = 4, 8, 100, 4, 40
-    tables = [list(range(b * 25, (b + 1) * 25)) for b in range(batch)]
+    block_size, batch, context, heads, width = 4, 8, 300, 4, 40
+    tables = [list(range(b * 75, (b + 1) * 75)) for b in range(batch)]
     attn = AttentionMetadata.build([1] * batch, [context] * batch, tables, block_size)
-    cache = torch.randn(batch * 25 * block_size, width, dtype=dtype)
+    cache = torch.randn(batch * 75 * block_size, width, dtype=dtype)
     q = torch.randn(batch, heads, width, dtype=dtype)
     sdpa_threads, kernel_threads = [], []
     sdpa = F.scaled_dot_product_attention

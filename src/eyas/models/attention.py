@@ -30,6 +30,10 @@ SHORT_QUERY = 16  # sequences with at most this many new tokens (decode, verify)
 # a batched call over at least this many (query row, context position) pairs runs on parallel_threads(): at batch 4
 # over 190-token contexts (760 pairs), 2 threads took the call from 169 to 106 us; at batch 1 they cost more
 PARALLEL_PAIRS = 512
+# the same for the C latent kernel, whose split among threads costs more (a thread pool's hand-off, about 90 us):
+# at batch 4 over 200 positions (800 pairs) 2 threads took 275 us against 185 on one, at 4 rows each (3,200) 443
+# against 518, at batch 16 over 300 positions 872 against 1,397
+KERNEL_PARALLEL_PAIRS = 2048
 
 
 @dataclass(slots=True)
@@ -238,7 +242,8 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
         pairs = batch * max_q * kv.shape[1]
         if latent_kernel.takes(queries, kv, value_dim):
             out = latent_kernel.latent_attention(queries, kv, group.attn_bias[:, 0], scale, value_dim,
-                                                 parallel_threads() if _wants_threads(pairs) else 1)
+                                                 parallel_threads() if _wants_threads(pairs, KERNEL_PARALLEL_PAIRS)
+                                                 else 1)
             out = out.view(batch, max_q, heads, value_dim)
             return out[0] if batch == 1 else out[group.query_valid]
         kv = kv.unsqueeze(1)
@@ -258,10 +263,10 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
 
 
-def _wants_threads(pairs: int) -> bool:
-    """Whether a call this large (query rows x context positions) runs on more threads than it has
-    (parallel_threads(), from PARALLEL_PAIRS pairs on)."""
-    return pairs >= PARALLEL_PAIRS and parallel_threads() > torch.get_num_threads()
+def _wants_threads(pairs: int, least: int = PARALLEL_PAIRS) -> bool:
+    """Whether a call this large (query positions x context positions) runs on more threads than it has
+    (parallel_threads(), from `least` pairs on)."""
+    return pairs >= least and parallel_threads() > torch.get_num_threads()
 
 
 @contextmanager
