@@ -504,3 +504,19 @@ def test_attention_runs_sdpa_where_the_kernel_cannot_be_built(tmp_path, monkeypa
     finally:
         latent_kernel._library.cache_clear()
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_damaged_kernel_library_falls_back_with_a_warning(tmp_path, monkeypatch):
+    """The cached library does not load (damaged, or built elsewhere): a warning naming it, and SDPA."""
+    from eyas.models import latent_kernel
+
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path))
+    path = latent_kernel.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    latent_kernel._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="does not load.*remove it"):
+            assert latent_kernel._library() is None
+    finally:
+        latent_kernel._library.cache_clear()

@@ -46,13 +46,17 @@ def _cpu_features() -> str:
     return platform.processor() or platform.machine()
 
 
+def library_path() -> Path:
+    """Where the kernel built from this source, with these flags, for this CPU, is kept."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([COMPILER, *FLAGS]).encode(),
+                                     _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:24]
+    return compiled_dir() / f"latent_attention-{key}.so"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be built (SDPA runs instead)."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([COMPILER, *FLAGS]).encode(), _cpu_features().encode(),
-                                     platform.machine().encode()])).hexdigest()[:24]
-    path = compiled_dir() / f"latent_attention-{key}.so"
+    path = library_path()
     if not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +71,12 @@ def _library() -> ctypes.CDLL | None:
             warnings.warn(f"attention over MLA latents runs torch's SDPA: compiling {SOURCE.name} with {COMPILER} "
                           f"failed ({detail}); set CC to a C compiler for the faster kernel", stacklevel=3)
             return None
-    library = ctypes.CDLL(str(path))
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as e:  # a library this machine cannot load (another's, or damaged): rebuilt once removed
+        warnings.warn(f"attention over MLA latents runs torch's SDPA: {path} does not load ({e}); remove it to "
+                      "build the kernel again", stacklevel=3)
+        return None
     library.latent_attention_f32.restype = ctypes.c_int
     library.latent_attention_f32.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
