@@ -102,6 +102,9 @@ def test_a_random_draft_is_reported_slower_than_plain(tmp_path, capsys):
     assert "costs more than it saves" in slower_than_plain_warning(0.5, 50, 100, 1.0)
     # a draft accepting almost nothing is reported even when a busy clock times it as fast as plain decoding
     assert "costs more than it saves" in slower_than_plain_warning(1.02, 102, 100, 1.0)
+    assert "train the draft longer" in slower_than_plain_warning(0.5, 50, 100, 1.5)
+    accepting = slower_than_plain_warning(0.8, 80, 100, 3.5)  # it accepts well; training would not help
+    assert "though it accepts well" in accepting and "train" not in accepting
     target = load_model(DEFAULT_MODEL)
     draft = init_draft(target, new_draft_config(target.config, "mla", (2, 4, 5), 0), seed=1)
     torch.nn.init.normal_(draft.lm_head.weight, std=1.0)  # proposals unrelated to the target's

@@ -304,9 +304,14 @@ def slower_than_plain_warning(speedup: float, speculative_rate: float, plain_rat
     the noise of a busy machine, and it is still of no use. Else None."""
     if speedup >= 0.95 and acceptance_length >= 1.1:
         return None
+    # a draft that accepts well and still loses is not helped by training: its steps cost too much next to the
+    # target's here (a small target whose plain step is cheap, or a draft run op by op)
+    why = ("; decode with --speculative-method none, or train the draft longer" if acceptance_length < 2 else
+           ", though it accepts well: on this machine a step that verifies drafts costs more than the tokens they "
+           "add; decode with --speculative-method none")
     return (f"warning: speculative decoding ran at {speedup:.2f}x the speed of plain decoding on these prompts "
             f"({speculative_rate:.0f} vs {plain_rate:.0f} tok/s, acceptance length {acceptance_length:.2f}): this "
-            "draft costs more than it saves; decode with --speculative-method none, or train the draft longer")
+            f"draft costs more than it saves{why}")
 
 
 def draft_title(spec, model: Path) -> str:

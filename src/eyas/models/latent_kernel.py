@@ -85,6 +85,12 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def load() -> bool:
+    """Build (first use on this machine) and load the kernel now, not inside the first step that attends; whether
+    it runs."""
+    return _library() is not None
+
+
 def takes(queries: torch.Tensor, kv: torch.Tensor, value_dim: int) -> bool:
     """Whether the kernel runs this call: float32 on CPU with no gradient wanted, latents with unit stride along
     their width."""
