@@ -35,9 +35,15 @@ def process_group(device: str = "cpu") -> Iterator[tuple[int, int]]:
     created = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     try:
         yield setup_distributed(device)
-    finally:
+    except BaseException:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if created and dist.is_initialized():
+        # the ranks leave together: a group torn down while a peer still talks to it can abort that peer (a rank of
+        # a run that succeeded died of SIGABRT once on a loaded machine)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def train_device(device: str) -> torch.device:
