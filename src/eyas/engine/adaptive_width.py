@@ -65,6 +65,11 @@ class _Bucket:
     backoff: int = 1  # the wait between probes, in probe periods
 
 
+def _tokens_per_step(bucket: _Bucket, width: int) -> float:
+    """Tokens a sequence commits in a step at `width`: 1 + q_1 + ... + q_width (a position not yet tried counts 0)."""
+    return 1.0 + sum(q for q in bucket.accepted_rate[:width] if q is not None)
+
+
 @dataclass
 class AdaptiveWidth:
     max_width: int
@@ -123,9 +128,8 @@ class AdaptiveWidth:
         own step: wait twice as long for the next; close by either: wait probe_every (a change of speed shows in the
         probe's step before it moves the median)."""
         scores, width = self._scores(batch_size), bucket.probed
-        rates = [q if q is not None else 0.0 for q in bucket.accepted_rate]
         samples = bucket.samples[width]
-        latest = (1.0 + sum(rates[:width])) / max(samples[-1], 1e-9) if samples else None
+        latest = _tokens_per_step(bucket, width) / max(samples[-1], 1e-9) if samples else None
         current = scores[bucket.width]
         far = current is not None and all(score is not None and score < current * (1 - BACKOFF_LOSS)
                                           for score in (scores[width], latest))
@@ -153,8 +157,8 @@ class AdaptiveWidth:
 
     def _scores(self, batch_size: int) -> list[float | None]:
         """tokens_per_second at every width, from one pass over the step times."""
-        rates = [q if q is not None else 0.0 for q in self._bucket(batch_size).accepted_rate]
-        return [(1.0 + sum(rates[:w])) / max(seconds, 1e-9) if seconds is not None else None
+        bucket = self._bucket(batch_size)
+        return [_tokens_per_step(bucket, w) / max(seconds, 1e-9) if seconds is not None else None
                 for w, seconds in enumerate(self.step_times(batch_size))]
 
     def observe(self, batch_size: int, width: int, seconds: float, drafted_and_accepted: list[tuple[int, int]]

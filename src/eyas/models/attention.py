@@ -244,20 +244,19 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
             out = latent_kernel.latent_attention(queries, kv, group.attn_bias[:, 0], scale, value_dim,
                                                  parallel_threads() if _wants_threads(pairs, KERNEL_PARALLEL_PAIRS)
                                                  else 1)
-            out = out.view(batch, max_q, heads, value_dim)
-            return out[0] if batch == 1 else out[group.query_valid]
-        kv = kv.unsqueeze(1)
-        # every query of a sequence (its positions x heads) is a row of one SDPA head over the one key head, so the
-        # kernel reads each latent once per sequence however many positions verify: at batch 16 and 300-token
-        # contexts, 4 positions 1.3x faster than with the positions as SDPA heads (each reading the context again).
-        # The fused kernel reads each latent once where two bmms (scores, then values) read it twice: at batch 32
-        # and 192-token contexts 1.2x faster, at 1,000 tokens 2.2x
-        if group.head_bias is None or (max_q > 1 and group.head_bias.shape[2] != max_q * heads):
-            bias = group.attn_bias.to(kv.dtype)  # one position: its heads share its row, broadcast (no copy)
-            group.head_bias = bias if max_q == 1 else bias.repeat_interleave(heads, dim=2)
-        with _parallel(pairs):
-            out = F.scaled_dot_product_attention(queries.unsqueeze(1), kv, kv, attn_mask=group.head_bias, scale=scale)
-        out = out[..., :value_dim].view(batch, max_q, heads, value_dim)
+        else:
+            # every query of a sequence (its positions x heads) is a row of one SDPA head over the one key head, so
+            # the kernel reads each latent once per sequence however many positions verify: at batch 16 and
+            # 300-token contexts, 4 positions 1.3x faster than with the positions as SDPA heads (each reading the
+            # context again). The fused kernel reads each latent once where two bmms (scores, then values) read it
+            # twice: at batch 32 and 192-token contexts 1.2x faster, at 1,000 tokens 2.2x
+            if group.head_bias is None or (max_q > 1 and group.head_bias.shape[2] != max_q * heads):
+                bias = group.attn_bias.to(kv.dtype)  # one position: its heads share its row, broadcast (no copy)
+                group.head_bias = bias if max_q == 1 else bias.repeat_interleave(heads, dim=2)
+            with _parallel(pairs):
+                out = F.scaled_dot_product_attention(queries.unsqueeze(1), kv.unsqueeze(1), kv.unsqueeze(1),
+                                                     attn_mask=group.head_bias, scale=scale)[:, 0, :, :value_dim]
+        out = out.view(batch, max_q, heads, value_dim)
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, value_dim]
 
     return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
