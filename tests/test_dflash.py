@@ -1,11 +1,14 @@
 """DFlash block drafts: the forward against a reference written out here from z-lab's dflash/model.py, the
 context's keys and values computed once equal to recomputing them, many blocks under one mask equal to each block
-alone, and config.json read back and refused where eyas would compute something else."""
+alone, and config.json read back and refused where eyas would compute something else. The MLA-shaped layer
+(dflash_config.attention_mode mla) against its own reference, written out from SpecForge's Qwen3DFlashMLAAttention."""
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import H, V, dflash_raw, hf_config
+from tiny import H, V, dflash_mla_raw, dflash_raw, hf_config
 
 from eyas.config import ConfigError, DeepseekV3Config
 from eyas.models.dflash import DFlashConfig, DFlashDraft, block_attention_mask, default_target_layer_ids
@@ -15,9 +18,12 @@ def target_config() -> DeepseekV3Config:
     return DeepseekV3Config.from_dict(hf_config().to_dict(), "tiny target")
 
 
-def make_draft(seed: int = 0) -> DFlashDraft:
+RAW = {"qwen3": dflash_raw, "mla": dflash_mla_raw}
+
+
+def make_draft(seed: int = 0, attention: str = "qwen3") -> DFlashDraft:
     torch.manual_seed(seed)
-    config = DFlashConfig.from_hf(dflash_raw(), target_config(), "test")
+    config = DFlashConfig.from_hf(RAW[attention](), target_config(), "test")
     embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
     draft = DFlashDraft(config, embed, head)
     with torch.no_grad():
@@ -85,24 +91,87 @@ def test_the_forward_matches_the_reference():
     assert draft.compute_logits(out).shape == (4, V)
 
 
-def test_context_kv_computed_in_pieces_equals_it_computed_at_once():
+def mla_reference(draft: DFlashDraft, target_hidden: torch.Tensor, block_ids: torch.Tensor, start: int
+                  ) -> torch.Tensor:
+    """SpecForge's MLA-shaped DFlash forward for one sequence, written out: low-rank queries, the context and the
+    block each through kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj, consecutive pairs of the rope part rotated
+    (cos and sin from the draft's YaRN rotary, tested against transformers' elsewhere), softmax scale
+    qk_head_dim^-0.5 times YaRN's mscale squared, no mask."""
+    c = draft.config
+    nh, nope, rd, vd, lora = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                              c.kv_lora_rank)
+    scale = (nope + rd) ** -0.5 * (0.1 * c.rope.mscale_all_dim * math.log(c.rope.factor) + 1) ** 2
+
+    def rms(x, w, eps=c.rms_norm_eps):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope_pairs(x, pos):  # x [T, ..., rd]: pair (2i, 2i+1) turned by position x the i-th frequency
+        cos, sin = draft.rotary(pos)
+        cos, sin = cos[:, :rd // 2], sin[:, :rd // 2]
+        if x.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+    C, B = target_hidden.shape[0], block_ids.shape[0]
+    ctx = rms(target_hidden @ draft.fc.weight.T, draft.hidden_norm.weight)
+    x = draft.embed_tokens.weight[block_ids]
+    ctx_pos, block_pos = torch.arange(C), torch.arange(start, start + B)
+    for layer in draft.layers:
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight)
+        q = (rms(h @ a.q_a_proj.weight.T, a.q_a_layernorm.weight) @ a.q_b_proj.weight.T).view(B, nh, nope + rd)
+        latent = torch.cat([ctx, h]) @ a.kv_a_proj_with_mqa.weight.T  # context rows, then block rows
+        c_kv, k_rope = rms(latent[:, :lora], a.kv_a_layernorm.weight), latent[:, lora:]
+        k_rope = rope_pairs(k_rope, torch.cat([ctx_pos, block_pos]))
+        kv = (c_kv @ a.kv_b_proj.weight.T).view(C + B, nh, nope + vd)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        q_nope, q_rope = q[..., :nope], rope_pairs(q[..., nope:], block_pos)
+        scores = (torch.einsum("qhd,khd->hqk", q_nope, k_nope) + torch.einsum("qhd,kd->hqk", q_rope, k_rope)) * scale
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(B, nh * vd)
+        x = x + out @ a.o_proj.weight.T
+        m = layer.mlp
+        h = rms(x, layer.post_attention_layernorm.weight)
+        x = x + (F.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    return rms(x, draft.norm.weight)
+
+
+def test_the_mla_shaped_forward_matches_the_reference():
+    draft = make_draft(attention="mla")
+    assert not hasattr(draft.layers[0].self_attn, "k_norm")
+    torch.manual_seed(1)
+    C = 11
+    target_hidden = torch.randn(C, 2 * H)
+    block = draft.block_input_ids(torch.tensor([7]))[0]
+    with torch.no_grad():
+        kv = draft.context_kv(target_hidden[None], torch.arange(C)[None])
+        assert [t.shape for (t,) in kv] == [(1, C, 20 + 8)] * 2  # the latent and the roped key, per layer
+        out = draft(block[None], torch.arange(C, C + 4)[None], kv)[0]
+        expected = mla_reference(draft, target_hidden, block, C)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["qwen3", "mla"])
+def test_context_kv_computed_in_pieces_equals_it_computed_at_once(attention):
     """The engine keeps each committed position's keys and values and appends the next ones: per-position results
     do not depend on which other positions were computed with them."""
-    draft = make_draft()
+    draft = make_draft(attention=attention)
     torch.manual_seed(2)
     hidden, positions = torch.randn(1, 9, 2 * H), torch.arange(9)[None]
+    dim = 2 if attention == "qwen3" else 1  # [B, kv_heads, C, head_dim], or latents [B, C, latent_dim]
     with torch.no_grad():
         whole = draft.context_kv(hidden, positions)
         parts = [draft.context_kv(hidden[:, a:b], positions[:, a:b]) for a, b in ((0, 4), (4, 5), (5, 9))]
-    for layer, (k, v) in enumerate(whole):
-        torch.testing.assert_close(torch.cat([p[layer][0] for p in parts], dim=2), k, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(torch.cat([p[layer][1] for p in parts], dim=2), v, rtol=1e-6, atol=1e-6)
+    for layer, kept in enumerate(whole):
+        for i, t in enumerate(kept):
+            torch.testing.assert_close(torch.cat([p[layer][i] for p in parts], dim=dim), t, rtol=1e-6, atol=1e-6)
 
 
-def test_many_blocks_under_one_mask_equal_each_block_alone():
+@pytest.mark.parametrize("attention", ["qwen3", "mla"])
+def test_many_blocks_under_one_mask_equal_each_block_alone(attention):
     """Training runs every anchor's block of a sequence in one forward over the whole sequence's context; each
     block must compute what it computes alone over the context before its anchor (inference)."""
-    draft = make_draft()
+    draft = make_draft(attention=attention)
     torch.manual_seed(3)
     T, bs = 12, draft.config.block_size
     hidden, tokens = torch.randn(1, T, 2 * H), torch.randint(0, V - 1, (1, T))
@@ -135,7 +204,14 @@ def test_config_round_trips_and_refuses_what_eyas_does_not_run():
                             ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5, "causal": True}},
                              "dflash_config.causal"),
                             ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5,
-                                                "attention_mode": "mla"}}, r"sets \['attention_mode'\]"),
+                                                "attention_mode": "mla"}}, "kv_lora_rank"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5,
+                                                "attention_mode": "linear"}}, "attention_mode"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5,
+                                                "attention_mode": "mha"}}, "num_key_value_heads"),
+                            ({"kv_lora_rank": 16}, "kv_lora_rank.*attention_mode"),
+                            ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5,
+                                                "mla_use_output_gate": True}}, "mla_use_output_gate"),
                             ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 5}},
                              "target_layer_ids.*0..3"),
                             ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": V}}, "mask_token_id"),
@@ -146,13 +222,36 @@ def test_config_round_trips_and_refuses_what_eyas_does_not_run():
             DFlashConfig.from_hf(dflash_raw(**change), target, "test")
 
 
+def test_an_mla_shaped_config_round_trips_and_refuses_what_eyas_does_not_run():
+    from eyas.models.dflash import speculators_dflash_config
+
+    target = target_config()
+    config = DFlashConfig.from_hf(dflash_mla_raw(), target, "test")
+    assert (config.attention_mode, config.kv_lora_rank, config.rope.head_dim, config.rope.interleave) == \
+        ("mla", 20, 8, True)
+    assert config.to_hf()["dflash_config"]["attention_mode"] == "mla"
+    assert DFlashConfig.from_hf(config.to_hf(), target, "test") == config
+    assert DFlashConfig.from_hf(dflash_mla_raw(rope_interleave=False), target, "test").rope.interleave is False
+    no_q_lora = DFlashConfig.from_hf(dflash_mla_raw(q_lora_rank=None), target, "test")
+    assert hasattr(DFlashDraft(no_q_lora, torch.nn.Embedding(V, H), torch.nn.Linear(H, V)).layers[0].self_attn,
+                   "q_proj")
+    for change, message in [({"kv_lora_rank": None}, "kv_lora_rank"), ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+                            ({"v_head_dim": 0}, "v_head_dim"), ({"q_lora_rank": 0}, "q_lora_rank")]:
+        raw = dflash_mla_raw(**change)
+        with pytest.raises(ConfigError, match=message):
+            DFlashConfig.from_hf({k: v for k, v in raw.items() if v is not None}, target, "test")
+    with pytest.raises(ConfigError, match="no speculators format"):
+        speculators_dflash_config(config, "0.9.0")
+
+
 def test_default_target_layer_ids_follow_z_labs_spread():
     assert default_target_layer_ids(61, 6) == (1, 12, 24, 35, 47, 58)  # the Kimi-K2.5 DFlash draft's
     assert default_target_layer_ids(61, 1) == (30,)
     assert default_target_layer_ids(8, 2) == (1, 5)
 
 
-def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp_path):
+@pytest.mark.parametrize("attention", ["qwen3", "mla"])
+def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp_path, attention):
     from safetensors.torch import load_file, save_file
     from tiny import make_hf_checkpoint
 
@@ -162,11 +261,12 @@ def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp
 
     make_hf_checkpoint(tmp_path / "target")
     target = load_model(tmp_path / "target")
-    draft = make_draft()
+    draft = make_draft(attention=attention)
     draft.embed_tokens, draft.lm_head = target.model.embed_tokens, target.lm_head
     save_dflash_draft(draft, tmp_path / "draft")
     stored = load_file(tmp_path / "draft" / "model.safetensors")
-    assert "fc.weight" in stored and "layers.1.self_attn.k_norm.weight" in stored
+    own = "k_norm" if attention == "qwen3" else "kv_b_proj"
+    assert "fc.weight" in stored and f"layers.1.self_attn.{own}.weight" in stored
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in stored)  # the target's, not saved
     loaded = load_dflash_draft(tmp_path / "draft", target)
     for key, value in draft.state_dict().items():

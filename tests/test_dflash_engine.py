@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from tiny import (
     YARN,
     assert_the_first_tokens_follow_the_target,
+    dflash_mla_raw,
     dflash_raw,
     make_hf_checkpoint,
     make_served_checkpoint,
@@ -32,12 +33,15 @@ PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 9, [40, 41], [17]]
 GREEDY = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)  # 23: lands mid-block for every width
 
 
-def write_dflash(path, target_dir, seed: int = 0, weights: dict | None = None, **overrides):
+def write_dflash(path, target_dir, seed: int = 0, weights: dict | None = None, mla: bool = False, **overrides):
     """A DFlash draft for the target at `target_dir`, saved in z-lab's layout: random (norms off 1, so a missing
-    one shows) unless `weights` gives them."""
+    one shows) unless `weights` gives them; MLA-shaped layers if `mla`."""
     target = DeepseekV3Config.from_dict(read_config(target_dir), "target")
     vocab = target.vocab_size
-    raw = dflash_raw(vocab_size=vocab, dflash_config={"target_layer_ids": [1, 2], "mask_token_id": vocab - 1})
+    dflash_config = {"target_layer_ids": [1, 2], "mask_token_id": vocab - 1}
+    if mla:
+        dflash_config["attention_mode"] = "mla"
+    raw = (dflash_mla_raw if mla else dflash_raw)(vocab_size=vocab, dflash_config=dflash_config)
     config = DFlashConfig.from_hf(raw | overrides, target, "test")
     torch.manual_seed(seed)
     draft = DFlashDraft(config, torch.nn.Embedding(vocab, H), torch.nn.Linear(H, vocab, bias=False))
@@ -98,6 +102,13 @@ def random_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mla_pair(tmp_path_factory, random_pair):
+    """random_pair's target with a random MLA-shaped DFlash draft of block 5."""
+    target, hf, _ = random_pair
+    return target, hf, write_dflash(tmp_path_factory.mktemp("dflash_mla_draft"), target, mla=True, block_size=5)
+
+
+@pytest.fixture(scope="module")
 def copying_pair(tmp_path_factory):
     target = tmp_path_factory.mktemp("rigged_target")
     make_hf_checkpoint(target)
@@ -135,9 +146,11 @@ def cached_and_recomputed(llm, hf, seq) -> tuple[torch.Tensor, torch.Tensor]:
         return llm.speculative.draft_cache[slots], draft.cache_entries(fused, torch.arange(n))
 
 
-def test_cache_entries_are_the_context_kv_the_forward_takes(random_pair):
-    """One cache entry per position, computed in pieces, gathered back: the forward's context keys and values."""
-    target, _, draft_dir = random_pair
+@pytest.mark.parametrize("pair", ["random_pair", "mla_pair"])
+def test_cache_entries_are_the_context_kv_the_forward_takes(request, pair):
+    """One cache entry per position, computed in pieces, gathered back: the forward's context keys and values (an
+    MLA-shaped draft's: its latents and roped keys, kv_lora_rank + qk_rope_head_dim values per layer)."""
+    target, _, draft_dir = request.getfixturevalue(pair)
     draft = LLM(target, speculative_method="dflash", draft_model=draft_dir).draft
     torch.manual_seed(0)
     states, positions = [torch.randn(9, H), torch.randn(9, H)], torch.arange(9)
@@ -146,15 +159,17 @@ def test_cache_entries_are_the_context_kv_the_forward_takes(random_pair):
         entries = torch.cat([draft.cache_entries(fused[a:b], positions[a:b]) for a, b in ((0, 4), (4, 9))])
         expected = draft.context_kv(torch.cat(states, dim=-1)[None], positions[None])
     assert entries.shape == (9, *draft.cache_entry_shape())
-    for (k, v), (k_ref, v_ref) in zip(draft.context_kv_of(entries[None]), expected, strict=True):
-        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+    if pair == "mla_pair":
+        assert draft.cache_entry_shape() == (2, 20 + 8)
+    for kept, kept_ref in zip(draft.context_kv_of(entries[None]), expected, strict=True):
+        for t, t_ref in zip(kept, kept_ref, strict=True):
+            torch.testing.assert_close(t, t_ref, rtol=1e-5, atol=1e-5)
 
 
 # -- lossless ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [None, 1, 2])
-@pytest.mark.parametrize("pair", ["random_pair", "copying_pair"])
+@pytest.mark.parametrize("pair", ["random_pair", "copying_pair", "mla_pair"])
 def test_greedy_dflash_equals_plain_greedy(request, pair, k):
     """Five prompts, four running at once (the fifth joins when one finishes), prompts chunked: each output equals
     plain greedy's. The rig's first draft is the target's next token (nearly always accepted), a random draft's
@@ -172,7 +187,7 @@ def test_greedy_dflash_equals_plain_greedy(request, pair, k):
     assert all(o.num_drafted > 0 for o in spec)
 
 
-@pytest.mark.parametrize("pair", ["random_pair", "copying_pair"])
+@pytest.mark.parametrize("pair", ["random_pair", "copying_pair", "mla_pair"])
 def test_batch_of_one_equals_plain(request, pair):
     target, _, draft = request.getfixturevalue(pair)
     for prompt in PROMPTS[:3]:
@@ -181,12 +196,13 @@ def test_batch_of_one_equals_plain(request, pair):
         assert spec.token_ids == plain.token_ids and spec.num_drafted > 0
 
 
-def test_requests_arriving_mid_run_and_preemption(random_pair):
+@pytest.mark.parametrize("pair", ["random_pair", "mla_pair"])
+def test_requests_arriving_mid_run_and_preemption(request, pair):
     """A cache too small for its requests (sequences preempted and recomputed, their draft context too) and requests
     added between steps: after every step the sequence invariants hold and each sequence's drafts are the
     reference's for its tokens (so the context rewritten after a preemption is the whole context); the output is
     plain greedy's."""
-    target, hf, draft = random_pair
+    target, hf, draft = request.getfixturevalue(pair)
     llm = LLM(target, max_num_seqs=3, block_size=4, num_blocks=16, max_num_batched_tokens=16,
               speculative_method="dflash", draft_model=draft)
     prompts = [[3 + i] * (6 + 3 * i) for i in range(5)]
@@ -214,15 +230,17 @@ def test_requests_arriving_mid_run_and_preemption(random_pair):
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, random_pair, tmp_path, block_size):
     """B in {2, 4, 8, 16}, for the copying rig (its first draft nearly always accepted, so accepted runs end inside
-    the block) and a random draft: batched with chunked prompts, one request at a time, and in a cache small enough
-    that sequences are preempted and recomputed; each output equals plain greedy's."""
+    the block), a random draft and a random MLA-shaped one: batched with chunked prompts, one request at a time, and
+    in a cache small enough that sequences are preempted and recomputed; each output equals plain greedy's."""
     copying_target, _, copying = copying_pair
     random_target = random_pair[0]
     drafts = {"copying": (copying_target, write_dflash(tmp_path / "copying", copying_target, num_hidden_layers=1,
                                                        weights=load_file(copying / "model.safetensors"),
                                                        block_size=block_size)),
               "random": (random_target, write_dflash(tmp_path / "random", random_target, seed=block_size,
-                                                     block_size=block_size))}
+                                                     block_size=block_size)),
+              "mla": (random_target, write_dflash(tmp_path / "mla", random_target, seed=block_size, mla=True,
+                                                  block_size=block_size))}
     prompts = [[3 + i] * (6 + 3 * i) for i in range(5)]
     for name, (target, draft) in drafts.items():
         spec = {"speculative_method": "dflash", "draft_model": draft}
@@ -244,12 +262,13 @@ def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, 
 # -- the drafts and the context, exactly -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [None, 2])
-def test_drafts_are_dflash_generate_recomputed_from_scratch(random_pair, k):
+@pytest.mark.parametrize("pair", ["random_pair", "mla_pair"])
+def test_drafts_are_dflash_generate_recomputed_from_scratch(request, pair, k):
     """After every step, each decoding sequence's drafts equal the reference's for its committed tokens (block
     anchored at the newest token, at position num_computed, over the whole context before it), and its draft cache
     holds every context position's keys and values. A block one position off, an anchor one token off or a context
     one position short proposes other tokens with this random draft."""
-    target, hf, draft_dir = random_pair
+    target, hf, draft_dir = request.getfixturevalue(pair)
     llm = LLM(target, max_num_seqs=3, block_size=4, max_num_batched_tokens=9, speculative_method="dflash",
               draft_model=draft_dir, num_speculative_tokens=k)
     seqs = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))

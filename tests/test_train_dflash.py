@@ -43,7 +43,8 @@ def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup):
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup, attention):
     from eyas import load_model
     from eyas.checkpoint import load_dflash_draft
     from eyas.config import SpeculativeConfig
@@ -51,21 +52,27 @@ def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup):
     from eyas.sampling_params import SamplingParams
 
     root, target_dir, _ = setup
-    train(config(setup, "learns", max_steps=40, save_every=40, block_loss="ce"))
-    log = read_log(root / "learns" / "train_log.jsonl")
+    mla = {"block_attention": "mla", "block_kv_lora_rank": 16} if attention == "mla" else {}
+    run = root / f"learns-{attention}"
+    train(config(setup, run.name, max_steps=40, save_every=40, block_loss="ce", **mla))
+    log = read_log(run / "train_log.jsonl")
     first, last = log[:5], log[-5:]
     mean = lambda rs, f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
     assert mean(last, lambda r: r["loss"]) < mean(first, lambda r: r["loss"]) - 0.8
     assert mean(last, lambda r: r["acc_per_step"][0]) > mean(first, lambda r: r["acc_per_step"][0]) + 0.2
     assert len(log[0]["acc_per_step"]) == 3  # rows 1..block_size-1
-    draft_dir = root / "learns" / "draft"
+    draft_dir = run / "draft"
     raw = json.loads((draft_dir / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
     # one layer: z-lab's rule reads the target's middle layer; the tokenizer's pad token is the mask
-    assert raw["dflash_config"] == {"target_layer_ids": [2], "mask_token_id": 2}
+    assert raw["dflash_config"] == {"target_layer_ids": [2], "mask_token_id": 2,
+                                    **({"attention_mode": "mla"} if mla else {})}
     target = load_model(target_dir)
+    if mla:  # the target's MLA shape, its latent as wide as asked
+        assert (raw["kv_lora_rank"], raw["qk_rope_head_dim"], raw["q_lora_rank"]) == \
+            (16, target.config.qk_rope_head_dim, target.config.q_lora_rank)
     draft = load_dflash_draft(draft_dir, target)
-    state = torch.load(root / "learns" / "checkpoint" / "state.pt", weights_only=True)
+    state = torch.load(run / "checkpoint" / "state.pt", weights_only=True)
     own = draft.state_dict()
     assert set(state["draft"]) == {k for k in own if k not in ("embed_tokens.weight", "lm_head.weight")}
     for key, value in state["draft"].items():
@@ -167,6 +174,13 @@ def test_dflash_settings_are_checked(setup):
         config(setup, "refused", block_labels="target")
     with pytest.raises(ValueError, match="--block-size must be in 2..64"):
         config(setup, "refused", block_size=1)
+    with pytest.raises(ValueError, match="--block-attention is 'gqa'"):
+        config(setup, "refused", block_attention="gqa")
+    with pytest.raises(ValueError, match="--block-kv-lora-rank 16: the latent width of MLA-shaped layers"):
+        config(setup, "refused", block_kv_lora_rank=16)
+    with pytest.raises(ValueError, match="--block-size, --num-anchors, --block-attention: DFlash settings, which an "
+                                         r"EAGLE-3 draft \(--draft-arch mla\) does not have"):
+        config(setup, "refused", draft_arch="mla", block_attention="mla")
     with pytest.raises(ValueError, match="a target with 4 layers has no 2 distinct default target layers .* pass "
                                          "--aux-layer-ids"):
         train(config(setup, "refused", num_draft_layers=2))
@@ -250,3 +264,26 @@ def test_inspect_reads_a_dflash_draft_and_names_what_does_not_fit(setup, tmp_pat
     (tmp_path / "draft" / "config.json").write_text(json.dumps(raw))
     report = inspect_report(target_dir, tmp_path / "draft")
     assert not report["ok"] and "target_layer_ids" in report["problems"][0] and "0..3" in report["problems"][0]
+
+
+def test_an_mla_shaped_draft_inspects_and_refuses_the_speculators_format(setup, tmp_path):
+    """inspect names the MLA shape and what the draft keeps per context position (the latent and the roped key per
+    layer); the speculators format, which has only Qwen3 attention, is refused by name and writes nothing."""
+    from eyas import load_model
+    from eyas.config import ConfigError
+    from eyas.export import export_draft, save_dflash_draft
+    from eyas.inspect import inspect_report
+    from eyas.models.dflash import init_dflash_draft, new_dflash_config
+
+    _, target_dir, _ = setup
+    target = load_model(target_dir)
+    c = target.config
+    config = new_dflash_config(c, 2, 4, (0, 2), 2, attention_mode="mla", kv_lora_rank=16)
+    save_dflash_draft(init_dflash_draft(target, config, seed=1), tmp_path / "draft")
+    report = inspect_report(target_dir, tmp_path / "draft")
+    assert report["ok"], report["problems"]
+    assert report["draft"]["layers"].startswith("2 x MLA-shaped") and "kv_lora 16" in report["draft"]["layers"]
+    assert report["draft"]["kept per context position"] == f"{2 * (16 + c.qk_rope_head_dim)} values (all layers)"
+    with pytest.raises(ConfigError, match="attention_mode .*mla.* has no speculators format"):
+        export_draft(tmp_path / "draft", tmp_path / "exported", "speculators", target_dir)
+    assert not (tmp_path / "exported").exists()

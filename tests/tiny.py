@@ -263,6 +263,18 @@ def dflash_raw(**overrides) -> dict:
     return raw | overrides
 
 
+def dflash_mla_raw(**overrides) -> dict:
+    """An MLA-shaped DFlash draft (SpecForge's fields): low-rank queries, a latent narrower than H, interleaved rope
+    over 8 of each head's 16 query/key values, YaRN as DeepSeek-V3's (so the softmax scale carries its mscale)."""
+    raw = dflash_raw(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                     v_head_dim=12, rope_interleave=True,
+                     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                     dflash_config={"target_layer_ids": [1, 2], "mask_token_id": V - 1, "attention_mode": "mla"})
+    del raw["head_dim"]
+    return raw | overrides
+
+
 # -- structured output --------------------------------------------------------------------------------------------
 
 # bounded (string lengths, integer ranges, array sizes) so every output can end within max_tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,13 @@ def _block_draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Conf
     facts.update({
         "read as hidden_states": list(draft.aux_hidden_state_ids),
         "block": f"{c.block_size} rows: the anchor and up to {c.block_size - 1} drafts per forward",
-        "layers": f"{c.num_hidden_layers} x Qwen3-style, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
-                  f"heads of {c.head_dim}, MLP {c.intermediate_size}; non-causal within the block",
+        "layers": (f"{c.num_hidden_layers} x MLA-shaped, {c.num_attention_heads} heads, q_lora {c.q_lora_rank}, "
+                   f"kv_lora {c.kv_lora_rank}, qk_nope {c.qk_nope_head_dim}, qk_rope {c.qk_rope_head_dim}, v "
+                   f"{c.v_head_dim}, MLP {c.intermediate_size}; the context enters through the latent; non-causal "
+                   "within the block" if c.attention_mode == "mla" else
+                   f"{c.num_hidden_layers} x Qwen3-style, {c.num_attention_heads} query / {c.num_key_value_heads} KV "
+                   f"heads of {c.head_dim}, MLP {c.intermediate_size}; non-causal within the block"),
+        "kept per context position": f"{math.prod(draft.cache_entry_shape())} values (all layers)",
         "fusion": f"fc {len(c.target_layer_ids)} x {c.hidden_size} -> {c.hidden_size}",
         "mask token": f"id {c.mask_token_id}",
         "rope": _rope_text(c.rope, c.max_position_embeddings),

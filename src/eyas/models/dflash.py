@@ -10,6 +10,12 @@ decoder layers that propose a whole block of tokens in one forward, where an EAG
 
 The context enters every layer only through that layer's k_proj/v_proj, so its keys and values can be computed once
 per committed position and kept (`context_kv`), as a KV cache is; the block's own are recomputed each time.
+
+An MLA-shaped layer (`dflash_config.attention_mode: mla`, SpecForge's name and fields, as Kimi-K3's DFlash2 drafts
+are shaped) is DeepSeek-V3's attention in place of the Qwen3 one: the fused context enters through the layer's
+kv_a_proj_with_mqa and kv_a_layernorm, so what a context position keeps is its latent and roped shared key
+(kv_lora_rank + qk_rope_head_dim values per layer, against 2 x kv_heads x head_dim), expanded through kv_b_proj
+beside the block's own latents; no q/k norms, partial rope, softmax scale as the target's.
 `target_layer_ids` are 0-based decoder-layer outputs (hidden_states[id + 1]), z-lab's convention. The speculators
 library's `dflash` format (vLLM reads it natively) holds the same draft; it is read and written at the end of the
 config part below, with the sources of its facts.
@@ -27,11 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
+from eyas.models.deepseek_v3 import MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
 
 ARCHITECTURE = "DFlashDraftModel"
 # dflash_config keys eyas runs as they are; any other is a switch eyas does not implement, so an error
-DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id")
+DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id", "attention_mode")
+# dflash_config.attention_mode: Qwen3 attention (gqa: grouped KV heads, mha: one per query head) or DeepSeek's MLA
+ATTENTION_MODES = ("gqa", "mha", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's
 
 
@@ -70,10 +80,27 @@ class DFlashConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
+    attention_mode: str = "gqa"  # dflash_config.attention_mode; "mla": the fields below shape the attention
+    q_lora_rank: int | None = None  # None: a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     source: str = "config.json"
 
     def __post_init__(self) -> None:
         src = self.source
+        if self.attention_mode not in ATTENTION_MODES:
+            raise _wrong(src, "dflash_config.attention_mode", self.attention_mode, " or ".join(ATTENTION_MODES))
+        if self.attention_mode == "mla":
+            self._check_mla()
+        elif any(getattr(self, name) for name in MLA_FIELDS):
+            raise ConfigError(f"{src}: {', '.join(n for n in MLA_FIELDS if getattr(self, n))} shape MLA attention, "
+                              f"but dflash_config.attention_mode is {self.attention_mode!r} (a Qwen3-style draft); "
+                              "set attention_mode to \"mla\" or remove them")
+        if self.attention_mode == "mha" and self.num_key_value_heads != self.num_attention_heads:
+            raise _wrong(src, "num_key_value_heads", self.num_key_value_heads, f"num_attention_heads "
+                         f"({self.num_attention_heads}): dflash_config.attention_mode is \"mha\"")
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "vocab_size", "num_target_layers", "max_position_embeddings"):
             value = getattr(self, name)
@@ -93,6 +120,38 @@ class DFlashConfig:
             raise _wrong(src, "dflash_config.mask_token_id", self.mask_token_id,
                          f"a token id below vocab_size {self.vocab_size}")
 
+    def _check_mla(self) -> None:
+        src = self.source
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise _wrong(src, name, value, "a positive integer (dflash_config.attention_mode is \"mla\")")
+        if type(self.qk_nope_head_dim) is not int or self.qk_nope_head_dim < 0:
+            raise _wrong(src, "qk_nope_head_dim", self.qk_nope_head_dim, "an integer >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise _wrong(src, "qk_rope_head_dim", self.qk_rope_head_dim, "an even number (rope rotates pairs)")
+        if self.q_lora_rank is not None and (type(self.q_lora_rank) is not int or self.q_lora_rank < 1):
+            raise _wrong(src, "q_lora_rank", self.q_lora_rank, "a positive integer, or null for a full-rank q_proj")
+        if self.rope.head_dim != self.qk_rope_head_dim:
+            raise _wrong(src, "qk_rope_head_dim", self.qk_rope_head_dim, f"the rope's width {self.rope.head_dim}")
+
+    def mla_layer_config(self) -> DeepseekV3Config:
+        """An MLA-shaped layer's attention, as the target's layer config type describes it (eyas.models.deepseek_v3
+        builds the projections from it); its MLP is the draft's own."""
+        return DeepseekV3Config(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, rope=self.rope,
+            max_position_embeddings=self.max_position_embeddings, q_lora_rank=self.q_lora_rank,
+            n_routed_experts=None, rms_norm_eps=self.rms_norm_eps, attention_bias=self.attention_bias,
+            source=self.source)
+
+    @property
+    def latent_dim(self) -> int:
+        """What an MLA-shaped layer keeps per context position: the latent and the roped shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     @classmethod
     def from_hf(cls, raw: dict, target: DeepseekV3Config, source: str = "config.json") -> DFlashConfig:
         """The draft described by a DFlash config.json (z-lab's layout, or the speculators library's, read as
@@ -110,6 +169,8 @@ class DFlashConfig:
         if unknown:
             raise ConfigError(f"{source}: dflash_config sets {unknown}, which eyas does not run (it runs "
                               f"{', '.join(DFLASH_CONFIG_KEYS)} and causal: false)")
+        mode = dflash.get("attention_mode", "gqa")
+        mode = mode.lower() if isinstance(mode, str) else mode  # SpecForge reads it case-blind
         if dflash.get("causal", False) is not False:
             raise _wrong(source, "dflash_config.causal", dflash["causal"], "false (eyas runs non-causal blocks)")
         layer_types = raw.get("layer_types")
@@ -128,8 +189,15 @@ class DFlashConfig:
         heads = raw.get("num_attention_heads")
         head_dim = raw.get("head_dim") or (raw["hidden_size"] // heads if isinstance(heads, int) and heads else 0)
         max_positions = int(raw.get("max_position_embeddings", target.max_position_embeddings))
-        rope = RopeConfig.from_hf(raw, head_dim, max_positions, source)
-        rope.interleave = bool(raw.get("rope_interleave", False))  # Qwen3 rotates halves
+        mla = {name: raw.get(name) for name in MLA_FIELDS if raw.get(name) is not None}
+        if mode == "mla":
+            for name in MLA_FIELDS[1:]:
+                if name not in mla:
+                    raise _wrong(source, name, None, "an integer: dflash_config.attention_mode is \"mla\"")
+            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        rope = RopeConfig.from_hf(raw, mla["qk_rope_head_dim"] if mode == "mla" else head_dim, max_positions, source)
+        # Qwen3 layers rotate halves, MLA ones consecutive pairs (DeepSeek's, SpecForge's default): unless it says
+        rope.interleave = bool(raw.get("rope_interleave", mode == "mla"))
         num_target_layers = raw.get("num_target_layers", target.num_hidden_layers)
         if num_target_layers != target.num_hidden_layers:
             raise _wrong(source, "num_target_layers", num_target_layers,
@@ -141,7 +209,8 @@ class DFlashConfig:
                    mask_token_id=dflash.get("mask_token_id"), vocab_size=target.vocab_size,
                    num_target_layers=num_target_layers, rope=rope, max_position_embeddings=max_positions,
                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                   attention_bias=bool(raw.get("attention_bias", False)), source=source)
+                   attention_bias=bool(raw.get("attention_bias", False)), attention_mode=mode, **mla,
+                   source=source)
 
     def to_hf(self) -> dict:
         """config.json in z-lab's layout (a Qwen3 config), as vLLM (`method: dflash`) and SGLang read it."""
@@ -154,7 +223,9 @@ class DFlashConfig:
             "attention_bias": self.attention_bias, "tie_word_embeddings": False, "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                              **({"attention_mode": "mla"} if self.attention_mode == "mla" else {})},
+            **({name: getattr(self, name) for name in MLA_FIELDS} if self.attention_mode == "mla" else {}),
             **self.rope.to_hf(), "rope_interleave": self.rope.interleave,
         }
 
@@ -209,6 +280,10 @@ def speculators_dflash_config(config: DFlashConfig, version: str, verifier: dict
     """config.json of `config` in the speculators `dflash` format (see the facts above); `verifier`
     ({"name_or_path", "architectures"}) names the target, `speculative_tokens` (default block_size - 1) is the K
     vLLM runs."""
+    if config.attention_mode == "mla":
+        raise ConfigError(f"{config.source}: an MLA-shaped DFlash draft (dflash_config.attention_mode \"mla\") has "
+                          "no speculators format: speculators' dflash layers are Qwen3 attention only; z-lab's layout "
+                          "(as eyas saves it) holds it")
     B = config.block_size
     tokens = B - 1 if speculative_tokens is None else speculative_tokens
     if not isinstance(tokens, int) or not 1 <= tokens <= B - 1:
@@ -336,11 +411,40 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, R, self.num_heads * self.head_dim))
 
 
+class DFlashLatentAttention(MLAttention):
+    """The MLA-shaped layer's attention: the target's MLA projections (weight names as DeepSeek-V3's), with the
+    context entering through the latent path. Context and block run in the expanded form (per-head keys and values
+    from the latents), as the target runs prompt chunks."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__(config.mla_layer_config())
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        """x [B, T, H] (context states) -> ([B, T, kv_lora_rank + rope_dim],): each position's normed latent and
+        roped shared key, all that the blocks after it read of it."""
+        kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return (torch.cat([self.kv_a_layernorm(kv), apply_rope(k_rope, cos, sin, self.interleave)], dim=-1),)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_latents: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, R, H] normed block rows; context_latents [B, C, kv_lora_rank + rope_dim]; mask as
+        DFlashAttention's -> [B, R, H]."""
+        q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)  # [B, R, heads, ...], [B, R, kv_lora], [B, R, rope]
+        latents = torch.cat([context_latents.to(kv.dtype), torch.cat([kv, k_rope], dim=-1)], dim=1)
+        k_nope, v = self.kv_b_proj(latents[..., :self.kv_lora_rank]).unflatten(-1, (self.num_heads, -1)).split(
+            [self.nope_dim, self.v_dim], dim=-1)  # [B, C + R, heads, nope], [..., v]
+        k_rope = latents[..., None, self.kv_lora_rank:].expand(-1, -1, self.num_heads, -1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
+        k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashLatentAttention(config) if config.attention_mode == "mla" else DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
@@ -370,8 +474,8 @@ class DFlashDraft(nn.Module):
 
     def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """target_hidden [B, C, n * H] (the target's states at target_layer_ids, concatenated in that order) at
-        `positions` [B, C] -> per layer (k, v) [B, kv_heads, C, head_dim]: what a context position contributes to
-        every block after it, computed once."""
+        `positions` [B, C] -> per layer (k, v) [B, kv_heads, C, head_dim] (MLA-shaped: (latents [B, C,
+        latent_dim],)): what a context position contributes to every block after it, computed once."""
         ctx = self.hidden_norm(self.fc(target_hidden))
         cos, sin = self.rotary(positions)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
@@ -418,21 +522,28 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(torch.cat(aux_hidden_states, dim=-1)))
 
     def cache_entries(self, fused: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """fused [rows, H] (combine_hidden_states) at positions [rows] -> each position's keys and values in every
-        layer, [rows, num_layers, 2, kv_heads, head_dim]: one paged-cache entry per position."""
+        """fused [rows, H] (combine_hidden_states) at positions [rows] -> what each position keeps in every layer,
+        [rows, *cache_entry_shape()]: one paged-cache entry per position."""
         cos, sin = self.rotary(positions[None])
+        if self.config.attention_mode == "mla":  # [rows, num_layers, latent_dim]
+            return torch.stack([layer.self_attn.keys_values(fused[None], cos, sin)[0][0] for layer in self.layers],
+                               dim=1)
         kv = [torch.stack(layer.self_attn.keys_values(fused[None], cos, sin), dim=1)  # [1, 2, kv, rows, d]
               for layer in self.layers]
         return torch.stack(kv, dim=1)[0].permute(3, 0, 1, 2, 4)
 
     def cache_entry_shape(self) -> tuple[int, ...]:
+        """Per layer: the latent and roped shared key (MLA-shaped), else the keys and values of every KV head."""
         c = self.config
+        if c.attention_mode == "mla":
+            return (c.num_hidden_layers, c.latent_dim)
         return (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
 
-    @staticmethod
-    def context_kv_of(entries: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Cache entries [B, C, num_layers, 2, kv_heads, head_dim] -> the per-layer (k, v) [B, kv_heads, C,
-        head_dim] that forward takes as context_kv."""
+    def context_kv_of(self, entries: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Cache entries [B, C, *cache_entry_shape()] -> the per-layer context_kv forward takes: (k, v) [B,
+        kv_heads, C, head_dim], or (latents [B, C, latent_dim],) for an MLA-shaped draft."""
+        if self.config.attention_mode == "mla":
+            return [(entries[:, :, i],) for i in range(entries.shape[2])]
         return [(entries[:, :, i, 0].transpose(1, 2), entries[:, :, i, 1].transpose(1, 2))
                 for i in range(entries.shape[2])]
 
@@ -461,19 +572,34 @@ def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: in
 
 
 def new_dflash_config(target: DeepseekV3Config, num_layers: int, block_size: int, target_layer_ids: tuple[int, ...],
-                      mask_token_id: int, intermediate_size: int = 0) -> DFlashConfig:
-    """A new draft shaped after `target`: Qwen3-style layers of the target's width and head count (head_dim =
-    hidden / heads, full multi-head attention), the target's rope (rotating halves, as Qwen3 does) and its dense MLP
-    width unless `intermediate_size` says otherwise."""
+                      mask_token_id: int, intermediate_size: int = 0, attention_mode: str = "mha",
+                      kv_lora_rank: int = 0) -> DFlashConfig:
+    """A new draft shaped after `target`, with its dense MLP width unless `intermediate_size` says otherwise.
+    attention_mode "mha": Qwen3-style layers of the target's width and head count (head_dim = hidden / heads, one KV
+    head per query head), the target's rope rotating halves, as Qwen3 does. "mla": the target's own attention shape
+    (its q_lora_rank, head dims and rope), with `kv_lora_rank` (0: the target's) as the latent's width."""
     heads = target.num_attention_heads
-    head_dim = target.hidden_size // heads
-    rope = dataclasses.replace(target.rope, head_dim=head_dim, interleave=False)
+    shape: dict[str, Any] = {}
+    if attention_mode == "mla":
+        shape = dict(q_lora_rank=target.q_lora_rank, kv_lora_rank=kv_lora_rank or target.kv_lora_rank,
+                     qk_nope_head_dim=target.qk_nope_head_dim, qk_rope_head_dim=target.qk_rope_head_dim,
+                     v_head_dim=target.v_head_dim)
+        head_dim = target.qk_head_dim
+        rope = dataclasses.replace(target.rope)
+    elif attention_mode == "mha":
+        if kv_lora_rank:
+            raise ConfigError(f"kv_lora_rank {kv_lora_rank} shapes an MLA-shaped draft; the attention is mha")
+        head_dim = target.hidden_size // heads
+        rope = dataclasses.replace(target.rope, head_dim=head_dim, interleave=False)
+    else:
+        raise ConfigError(f"attention {attention_mode!r}: a new DFlash draft's is mha or mla")
     return DFlashConfig(hidden_size=target.hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
                         num_key_value_heads=heads, head_dim=head_dim,
                         intermediate_size=intermediate_size or target.intermediate_size, block_size=block_size,
                         target_layer_ids=tuple(target_layer_ids), mask_token_id=mask_token_id,
                         vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers, rope=rope,
                         max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
+                        attention_mode="mla" if attention_mode == "mla" else "gqa", **shape,
                         source="the new draft's settings")
 
 

@@ -12,7 +12,7 @@ from eyas.paths import DEFAULT_DATA, DEFAULT_MODEL
 from eyas.threads import THREADS_HELP
 from eyas.train.batches import PREFETCH_STEPS
 from eyas.train.checkpointing import RunDir
-from eyas.train.config import BLOCK_LABELS, BLOCK_LOSSES, DRAFT_ARCHS, REPORTERS, TrainConfig
+from eyas.train.config import BLOCK_ATTENTIONS, BLOCK_LABELS, BLOCK_LOSSES, DRAFT_ARCHS, REPORTERS, TrainConfig
 from eyas.train.ttt import LOSSES
 
 
@@ -117,6 +117,13 @@ def _add_block_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
     g.add_argument("--block-loss-alpha", type=float, default=d["block_loss_alpha"], help="dpace's floor alpha")
     g.add_argument("--mask-token-id", type=int, help="the embedding row the block's masked rows read (default: "
                    "the first row past the tokenizer's ids, else the tokenizer's pad token)")
+    g.add_argument("--block-attention", choices=BLOCK_ATTENTIONS, default=d["block_attention"], help="mha: "
+                   "Qwen3-style attention, z-lab's layout, which vLLM and SGLang run; mla: the target's MLA shape, "
+                   "the context entering each layer through its latent (dflash_config.attention_mode mla, "
+                   "SpecForge's fields; its cache keeps kv_lora_rank + qk_rope_head_dim values per position and "
+                   "layer)")
+    g.add_argument("--block-kv-lora-rank", type=int, default=d["block_kv_lora_rank"], help="with --block-attention "
+                   "mla: the latent's width (0: the target's kv_lora_rank)")
 
 
 def _add_optimizer_args(p: argparse.ArgumentParser, d: dict) -> None:

@@ -14,8 +14,12 @@ REPORTERS = ("tensorboard", "wandb")
 DRAFT_ARCHS = ("mla", "mha", "dflash")  # EAGLE-3 drafts (MLA- or Llama-shaped) and DFlash block drafts
 BLOCK_LOSSES = ("dpace", "ce")  # eyas.train.dflash
 BLOCK_LABELS = ("hard", "soft")
-# the EAGLE-3 settings a DFlash run does not read: set to anything but their default, they are an error
+BLOCK_ATTENTIONS = ("mha", "mla")  # eyas.models.dflash.new_dflash_config
+# the EAGLE-3 settings a DFlash run does not read, and the DFlash ones an EAGLE-3 run does not: set to anything but
+# their default, they are an error
 EAGLE_ONLY = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "freeze_lm_head", "vocab_file")
+DFLASH_ONLY = ("num_draft_layers", "block_size", "num_anchors", "block_loss", "block_labels", "block_loss_gamma",
+               "block_loss_alpha", "mask_token_id", "block_attention", "block_kv_lora_rank")
 
 
 @dataclass(slots=True)
@@ -87,6 +91,10 @@ class TrainConfig:
     block_loss_gamma: float = 7.0
     block_loss_alpha: float = 0.5
     mask_token_id: int | None = None
+    # the layers' attention: mha (Qwen3-style, z-lab's) or mla (the target's MLA shape, the context entering through
+    # the latent), whose latent is block_kv_lora_rank wide (0: the target's kv_lora_rank)
+    block_attention: str = "mha"
+    block_kv_lora_rank: int = 0
     # where the step metrics also go, besides OUT/train_log.jsonl and the PNG: tensorboard (event files under
     # OUT/tensorboard), wandb (an offline run under OUT/wandb; needs wandb installed)
     report_to: list[str] = field(default_factory=list)
@@ -103,6 +111,12 @@ class TrainConfig:
             raise ValueError(f"--draft-arch is {self.draft_arch!r}; expected one of {', '.join(DRAFT_ARCHS)}")
         if self.draft_arch == "dflash":
             self._check_dflash()
+        else:
+            defaults = {f.name: f.default for f in fields(TrainConfig)}
+            given = [name for name in DFLASH_ONLY if getattr(self, name) != defaults[name]]
+            if given:
+                raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in given)}: DFlash settings, "
+                                 f"which an EAGLE-3 draft (--draft-arch {self.draft_arch}) does not have")
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:
             raise ValueError("--ttt-steps must be >= 1 and --loss-decay in (0, 1]")
         if self.batch_size < 1 or self.max_steps < 1:
@@ -130,6 +144,12 @@ class TrainConfig:
             raise ValueError("--block-size must be in 2..64, --num-draft-layers and --num-anchors positive")
         if self.block_loss_gamma <= 0 or not 0 <= self.block_loss_alpha <= 1:
             raise ValueError("--block-loss-gamma must be positive and --block-loss-alpha in [0, 1]")
+        if self.block_attention not in BLOCK_ATTENTIONS:
+            raise ValueError(f"--block-attention is {self.block_attention!r}; expected one of "
+                             f"{', '.join(BLOCK_ATTENTIONS)}")
+        if self.block_kv_lora_rank < 0 or (self.block_kv_lora_rank and self.block_attention != "mla"):
+            raise ValueError(f"--block-kv-lora-rank {self.block_kv_lora_rank}: the latent width of MLA-shaped layers "
+                             "(--block-attention mla), at least 1 (0: the target's kv_lora_rank)")
         defaults = {f.name: f.default for f in fields(TrainConfig)}
         ignored = [name for name in EAGLE_ONLY if getattr(self, name) != defaults[name]]
         ignored += [name for name in ("ttt_steps", "loss_decay", "loss") if getattr(self, name) != defaults[name]]

@@ -144,7 +144,8 @@ def _new_block_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData) ->
 
     mask = choose_mask_token_id(target.config.vocab_size, load_tokenizer(cfg.target), cfg.mask_token_id)
     config = new_dflash_config(target.config, cfg.num_draft_layers, cfg.block_size,
-                               tuple(i - 1 for i in data.aux_ids), mask, cfg.intermediate_size)
+                               tuple(i - 1 for i in data.aux_ids), mask, cfg.intermediate_size, cfg.block_attention,
+                               cfg.block_kv_lora_rank)
     return init_dflash_draft(target, config, seed=cfg.seed)
 
 
