@@ -112,6 +112,16 @@ def test_kernels_are_loaded_from_disk_the_second_time(models, monkeypatch):
     assert sorted(compiled_step.cache_dir().glob("*.pt2")) == cached
 
 
+def test_drafts_with_the_same_tensors_and_another_switch_compile_apart(models, tmp_path):
+    """norm_output changes a draft's step but none of its tensors: each draft gets its own kernels (one draft's
+    were loaded for the other and refused by the check against its eager layer), and greedy output stays plain's."""
+    target, drafts = models
+    switched = write_draft(tmp_path / "mla-norm-output", dict(mla_config(), norm_output=True), mla_weights())
+    plain, _ = run(target, False)
+    for draft in (drafts["mla"], switched, drafts["mla"]):
+        assert run(target, True, speculative_method="eagle", draft_model=str(draft))[0] == plain
+
+
 def test_a_tensor_the_modules_do_not_hold_is_refused():
     norm = torch.nn.LayerNorm(8)
     outside = torch.ones(8)

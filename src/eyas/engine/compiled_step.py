@@ -20,6 +20,7 @@ run eager. Calls go straight to the compiled runner (`loader.run`), which costs 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -31,6 +32,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,10 +136,12 @@ def _source_digest() -> str:
 
 
 def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: Sequence[torch.Tensor],
-                   rows: tuple[int, int], progress: Callable[[], None] | None = None) -> Kernel:
+                   rows: tuple[int, int], progress: Callable[[], None] | None = None, settings: str = "") -> Kernel:
     """Export `fn(*args)`, reading the tensors of `modules`, for args whose dim 0 (rows) is anything in
     rows = (least, most), or exactly their own when least == most; compile it with AOTInductor, or load it from the
-    disk cache when compiled before. `progress` is called before compiling (not before loading)."""
+    disk cache when compiled before. `settings` (config_settings) is what else the code depends on: two models with
+    the same tensors but another MoE routing or another draft switch compile apart. `progress` is called before
+    compiling (not before loading)."""
     if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
         raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
     traced = _Traced(module_tensors(modules), fn)
@@ -149,7 +153,7 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
     dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
     dynamic = [None] * len(tensors) + [{0: dim} if dim is not None else None for _ in args]
     key = json.dumps({
-        "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows,
+        "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows, "settings": settings,
         "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in traced.entries],
         "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
     path = cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
@@ -190,6 +194,22 @@ def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequ
         Path(tmp, used_path.name).write_text(json.dumps(used))
         os.replace(staged, path)
         os.replace(Path(tmp, used_path.name), used_path)
+
+
+# config fields no kernel reads (the embedding, the head and where the file was are outside every kernel)
+OUTSIDE_KERNELS = ("source", "vocab_size", "bos_token_id", "eos_token_ids", "torch_dtype", "max_position_embeddings",
+                   "num_nextn_predict_layers", "tie_word_embeddings")
+
+
+def config_settings(config: Any) -> str:
+    """A model config's fields as a kernel's cache key reads them: all but OUTSIDE_KERNELS, at any depth."""
+    def kept(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if k not in OUTSIDE_KERNELS}
+        if isinstance(value, (list, tuple)):
+            return [kept(v) for v in value]
+        return value
+    return json.dumps(kept(dataclasses.asdict(config)), sort_keys=True, default=str)
 
 
 class CompiledTarget:
@@ -242,7 +262,7 @@ class CompiledTarget:
                 line = (f"compiling the decode step: kernel {len(kernels) + 1}/{len(names)} ({name}), once for "
                         f"this model's shape (kept in {cache_dir()})")
                 told = (lambda line=line: progress(line)) if progress is not None else None
-                kernels[name] = compile_kernel(name, modules, fn, args, rows, told)
+                kernels[name] = compile_kernel(name, modules, fn, args, rows, told, config_settings(config))
         self.seconds = time.perf_counter() - start
         # per row form, per call: its kernel and the tensors it passes (its own layer's)
         self.forms = {}
@@ -311,7 +331,8 @@ class CompiledDraft:
             line = (f"compiling the draft's step: kernel {n + 1}/{len(calls)} ({name}), once for this draft's shape "
                     f"(kept in {cache_dir()})")
             kernel = compile_kernel(name, modules, fn, args, (1, MAX_ROWS),
-                                    (lambda line=line: progress(line)) if progress is not None else None)
+                                    (lambda line=line: progress(line)) if progress is not None else None,
+                                    config_settings(draft.config))
             weights = kernel.weights(modules)
             _check_against_eager(f"the draft ({name})", kernel, weights, fn, args)
             kernels.append((kernel, weights))
