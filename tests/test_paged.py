@@ -493,10 +493,10 @@ def test_the_latent_kernel_refuses_what_it_cannot_compute():
 
 def test_attention_runs_sdpa_where_the_kernel_cannot_be_built(tmp_path, monkeypatch):
     """No C compiler: a warning that says so and what to set, then the same attention through SDPA."""
-    from eyas.models import latent_kernel
+    from eyas.models import c_kernels, latent_kernel
 
     monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(latent_kernel, "COMPILER", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(c_kernels, "COMPILER", str(tmp_path / "no-such-cc"))
     latent_kernel._library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="runs torch's SDPA.*set CC"):

@@ -27,7 +27,7 @@ from eyas.engine.compiled_step import CompiledDraft, CompiledTarget
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
-from eyas.models import latent_kernel
+from eyas.models import latent_kernel, rows_matmul
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import Eagle3Draft
@@ -50,8 +50,9 @@ class ModelRunner:
         self.lanes = lanes  # the allocator's (number of lanes, blocks per lane), which attention reads in place
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
                                  self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32:  # its attention kernel, built before any step
+        if self.device.type == "cpu" and self.dtype == torch.float32:  # its C kernels, built before any step
             latent_kernel.load()
+            rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
         self.compiled = CompiledTarget(model.model, progress) if compiled_step else None
         self.proposer = None

@@ -35,6 +35,7 @@ from torch import nn
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.deepseek_v3 import MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
+from eyas.models.rows_matmul import linear_rows
 
 ARCHITECTURE = "DFlashDraftModel"
 # dflash_config keys eyas runs as they are; any other is a switch eyas does not implement, so an error
@@ -498,7 +499,7 @@ class DFlashDraft(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear_rows(hidden, self.lm_head)
 
     # -- what the engine's block proposer needs (eyas.engine.block_proposer.BlockDraft) --------------------------
     @property

@@ -30,6 +30,7 @@ from eyas.config import ConfigError, DeepseekV3Config, RopeConfig
 from eyas.models.attention import AttentionMetadata, paged_attention
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, MLAttention
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, pack_rows
+from eyas.models.rows_matmul import linear_rows
 
 log = logging.getLogger("eyas")
 
@@ -445,7 +446,7 @@ class Eagle3Draft(nn.Module):
 
     def draft_logits(self, carried: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary [..., draft_vocab] from a step's carried state."""
-        return self.lm_head(carried if self.config.norm_output else self.norm(carried))
+        return linear_rows(carried if self.config.norm_output else self.norm(carried), self.lm_head)
 
     def embed(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The target's embedding of token_ids in the draft's compute dtype (the target's may be lower)."""

@@ -5,77 +5,37 @@ torch's fused SDPA ran it at about 5 GB/s of latents against some 19 GB/s that o
 every 512 positions of latents for a product with only a few query rows. The kernel reads each latent once per
 block of query rows and computes each row the same way whatever the other rows are.
 
-It is compiled with the machine's C compiler on first use (well under a second), for this CPU (-march=native),
-and kept in `compiled_dir()` under a name that hashes the source, the flags and the CPU's feature flags. Where no
-compiler runs, attention falls back to SDPA with a warning, once. Large calls split their sequences among threads
-as SDPA's would (`threads`): the C function releases the GIL while it runs.
+It is built as eyas.models.c_kernels builds every C kernel; where none builds, attention falls back to SDPA with a
+warning, once. Large calls split their sequences among threads as SDPA's would (`threads`): the C function
+releases the GIL while it runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from eyas.paths import compiled_dir
+from eyas.models import c_kernels
 
 SOURCE = Path(__file__).with_name("latent_attention.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
-COMPILER = os.environ.get("CC", "cc")
 ERRORS = {-1: "out of memory for the scores", -2: "the value is wider than the key, or the rows are not a multiple "
           "of the bias rows", -3: "a query row sees no position"}
 
 
-def _cpu_features() -> str:
-    """What -march=native compiles for: the CPU's feature flags (a cache shared by machines must not mix them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def library_path() -> Path:
     """Where the kernel built from this source, with these flags, for this CPU, is kept."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([COMPILER, *FLAGS]).encode(),
-                                     _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:24]
-    return compiled_dir() / f"latent_attention-{key}.so"
+    return c_kernels.library_path(SOURCE)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be built (SDPA runs instead)."""
-    path = library_path()
-    if not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # a complete library or none, even if killed
-                staged = Path(tmp) / path.name
-                subprocess.run([COMPILER, *FLAGS, str(SOURCE), "-o", str(staged), "-lm"], check=True,
-                               capture_output=True, text=True)
-                os.replace(staged, path)
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr \
-                else str(e)
-            warnings.warn(f"attention over MLA latents runs torch's SDPA: compiling {SOURCE.name} with {COMPILER} "
-                          f"failed ({detail}); set CC to a C compiler for the faster kernel", stacklevel=3)
-            return None
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as e:  # a library this machine cannot load (another's, or damaged): rebuilt once removed
-        warnings.warn(f"attention over MLA latents runs torch's SDPA: {path} does not load ({e}); remove it to "
-                      "build the kernel again", stacklevel=3)
+    library = c_kernels.build(SOURCE, "attention over MLA latents", "torch's SDPA")
+    if library is None:
         return None
     library.latent_attention_f32.restype = ctypes.c_int
     library.latent_attention_f32.argtypes = [

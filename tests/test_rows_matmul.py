@@ -1,0 +1,62 @@
+"""The rows kernel (eyas.models.rows_matmul): what F.linear computes, each row the same whatever rows run beside
+it, and F.linear wherever the kernel does not take the call."""
+
+import pytest
+import torch
+from torch import nn
+
+from eyas.models import c_kernels, rows_matmul
+from eyas.models.layers import gemv_layout
+
+
+def head(n: int, k: int, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=False)
+    linear.weight = nn.Parameter(gemv_layout(linear.weight.detach()), requires_grad=False)
+    return linear
+
+
+@pytest.mark.parametrize("n, k", [(8192, 192), (300, 64), (37, 5), (16, 1)])  # column tails of 16 and of 1
+def test_the_kernel_computes_f_linear_and_each_row_alone_equals_it_in_the_batch(n, k):
+    linear = head(n, k)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(m, k)
+        with torch.no_grad():
+            assert rows_matmul.takes(x, linear)
+            got = rows_matmul.rows_matmul(x, linear)
+            torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+            for r in range(m):  # bit for bit: a decode row and the same row among verify rows agree
+                assert torch.equal(rows_matmul.rows_matmul(x[r:r + 1], linear), got[r:r + 1])
+    x = torch.randn(2, 3, k)
+    with torch.no_grad():
+        torch.testing.assert_close(rows_matmul.linear_rows(x, linear), linear(x), rtol=1e-5, atol=1e-5)
+        assert rows_matmul.linear_rows(x[:0], linear).shape == (0, 3, n)
+
+
+def test_f_linear_runs_where_the_kernel_does_not_take_the_call():
+    linear = head(64, 32)
+    x = torch.randn(3, 32)
+    row_major = nn.Linear(32, 64, bias=False)  # not in gemv_layout
+    with_bias = head(64, 32)
+    with_bias.bias = nn.Parameter(torch.zeros(64))
+    with torch.no_grad():
+        assert not rows_matmul.takes(x, row_major) and not rows_matmul.takes(x, with_bias)
+        assert not rows_matmul.takes(x.double(), linear) and not rows_matmul.takes(x[:, :16], linear)
+        torch.testing.assert_close(rows_matmul.linear_rows(x, row_major), row_major(x))
+    assert not rows_matmul.takes(x.requires_grad_(), linear)  # training keeps autograd's op
+
+
+def test_the_logits_run_f_linear_where_the_kernel_cannot_be_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(c_kernels, "COMPILER", str(tmp_path / "no-such-cc"))
+    rows_matmul._library.cache_clear()
+    linear = head(64, 32)
+    try:
+        with pytest.warns(UserWarning, match="the lm_head runs F.linear.*set CC"):
+            assert not rows_matmul.takes(torch.randn(2, 32), linear)
+        with torch.no_grad():
+            x = torch.randn(2, 32)
+            torch.testing.assert_close(rows_matmul.linear_rows(x, linear), linear(x))
+    finally:
+        rows_matmul._library.cache_clear()
+    assert not list(tmp_path.rglob("*.so"))
