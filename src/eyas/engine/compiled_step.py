@@ -41,6 +41,7 @@ from eyas.models import deepseek_v3, eagle3, layers
 from eyas.models.attention import SHORT_QUERY, AttentionMetadata
 from eyas.models.deepseek_v3 import FEW_TOKENS, DecoderLayer, DeepseekV3Model, MLAttention
 from eyas.models.eagle3 import Eagle3Draft
+from eyas.models.mtp import MTPDraft
 from eyas.paths import compiled_dir as cache_dir
 
 # the most rows a compiled step takes: the MoE's all-experts form is the right one up to FEW_TOKENS rows
@@ -351,6 +352,77 @@ class CompiledDraft:
         out = draft.layers[0].attend(q, entry, attn, cache)
         kernel, weights = self.outputs
         return kernel(weights, residual, out)[0]
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(prenorm)
+
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.greedy_tokens(prenorm)
+
+    def cache_entry_shape(self) -> tuple[int, ...]:
+        return self.draft.cache_entry_shape()
+
+
+class CompiledMTP:
+    """The MTP layer as a draft whose steps over decode rows run as compiled kernels, as the target's layers do: its
+    input fusion (enorm, hnorm, eh_proj) with the layer up to its cache write, then the layer after its attention,
+    whose MoE has a one-row form that reads only the row's routed experts. The attention over the draft's cache runs
+    eager between them; steps it does not take (`CompiledTarget.takes`) run the layer eager."""
+
+    def __init__(self, draft: MTPDraft, progress: Callable[[str], None] | None = None) -> None:
+        self.draft = draft
+        self.aux_hidden_state_ids = draft.aux_hidden_state_ids
+        layer = draft.layer
+        weight = layer.eh_proj.weight
+        dtype, device = weight.dtype, weight.device
+        H = layer.eh_proj.weight.shape[0]
+
+        def inputs(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            h = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], -1))
+            return (h, *layer.attention_inputs(h, cos, sin))
+
+        def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (embeds, hidden, cos, sin, out)
+            cos, sin = (t.to(dtype) for t in draft.rotary(torch.arange(rows, device=device)))
+            a = layer.self_attn
+            return (torch.zeros(rows, H, dtype=dtype, device=device), torch.zeros(rows, H, dtype=dtype, device=device),
+                    cos, sin, torch.zeros(rows, a.num_heads, a.kv_lora_rank, dtype=dtype, device=device))
+
+        before = [layer.enorm, layer.hnorm, layer.eh_proj, *_attention_parts(layer)]
+        after = _after_parts(layer)
+        outputs = lambda h, out: (layer.after_attention(h, out),)  # noqa: E731
+        two, one = examples(2), examples(1)
+        calls = [("mtp-inputs", before, inputs, two[:4], (1, MAX_ROWS)),
+                 ("mtp-outputs", after, outputs, (two[0], two[4]), (2, MAX_ROWS)),
+                 ("mtp-outputs-1row", after, outputs, (one[0], one[4]), (1, 1))]
+        start = time.perf_counter()
+        kernels = []
+        for n, (name, modules, fn, args, rows) in enumerate(calls):
+            line = (f"compiling the MTP layer's step: kernel {n + 1}/{len(calls)} ({name}), once for this model's "
+                    f"shape (kept in {cache_dir()})")
+            kernel = compile_kernel(name, modules, fn, args, rows,
+                                    (lambda line=line: progress(line)) if progress is not None else None,
+                                    config_settings(draft.config))
+            weights = kernel.weights(modules)
+            _check_against_eager(f"the MTP layer ({name})", kernel, weights, fn, args, rows)
+            kernels.append((kernel, weights))
+        self.seconds = time.perf_counter() - start
+        self.inputs, self.outputs, self.outputs_one_row = kernels
+
+    def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
+                 cache: torch.Tensor) -> torch.Tensor:
+        draft, layer = self.draft, self.draft.layer
+        if not CompiledTarget.takes(attn):
+            return draft(hidden, next_token_ids, attn, cache)
+        cos, sin = (t.to(hidden.dtype) for t in draft.rotary(attn.positions))
+        kernel, weights = self.inputs
+        h, q, latent = kernel(weights, layer.embed_tokens(next_token_ids).to(hidden.dtype), hidden, cos, sin)
+        out = layer.self_attn.cached_attention(q, latent, attn, cache)
+        kernel, weights = self.outputs_one_row if attn.num_tokens == 1 else self.outputs
+        return kernel(weights, h, out)[0]
 
     def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
                               ) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
 from eyas.engine.block_proposer import BlockDraft, BlockProposer
-from eyas.engine.compiled_step import CompiledDraft, CompiledTarget
+from eyas.engine.compiled_step import CompiledDraft, CompiledMTP, CompiledTarget
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
@@ -31,6 +31,7 @@ from eyas.models import latent_kernel, rows_matmul
 from eyas.models.attention import AttentionMetadata
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 from eyas.models.eagle3 import Eagle3Draft
+from eyas.models.mtp import MTPDraft
 
 
 class ModelRunner:
@@ -58,6 +59,8 @@ class ModelRunner:
         self.proposer = None
         if compiled_step and isinstance(draft, Eagle3Draft):
             draft = CompiledDraft(draft, progress)
+        elif compiled_step and isinstance(draft, MTPDraft):
+            draft = CompiledMTP(draft, progress)
         if draft is not None:  # a draft that proposes a block in one forward (DFlash), or one token per forward
             kind = BlockProposer if isinstance(draft, BlockDraft) else Proposer
             self.proposer = kind(draft, speculative_config, num_blocks * block_size, block_size,

@@ -23,6 +23,7 @@ class MTPDraft(nn.Module):
             raise ValueError(f"speculative method 'mtp' needs an MTP layer, but {config.source} has "
                              f"num_nextn_predict_layers={config.num_nextn_predict_layers} (or its weights are "
                              f"absent); use --speculative-method eagle with a draft model")
+        self.config = config  # the target's, whose layer this is
         self.layer = target.model.mtp_layer(index)
         self.rotary = target.model.rotary
         self.latent_dim = config.latent_dim
