@@ -236,7 +236,8 @@ def test_an_mla_shaped_config_round_trips_and_refuses_what_eyas_does_not_run():
     assert hasattr(DFlashDraft(no_q_lora, torch.nn.Embedding(V, H), torch.nn.Linear(H, V)).layers[0].self_attn,
                    "q_proj")
     for change, message in [({"kv_lora_rank": None}, "kv_lora_rank"), ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
-                            ({"v_head_dim": 0}, "v_head_dim"), ({"q_lora_rank": 0}, "q_lora_rank")]:
+                            ({"v_head_dim": 0}, "v_head_dim"), ({"q_lora_rank": 0}, "q_lora_rank"),
+                            ({"qk_rope_head_dim": "8"}, "qk_rope_head_dim")]:
         raw = dflash_mla_raw(**change)
         with pytest.raises(ConfigError, match=message):
             DFlashConfig.from_hf({k: v for k, v in raw.items() if v is not None}, target, "test")

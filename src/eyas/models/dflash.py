@@ -195,7 +195,8 @@ class DFlashConfig:
             for name in MLA_FIELDS[1:]:
                 if name not in mla:
                     raise _wrong(source, name, None, "an integer: dflash_config.attention_mode is \"mla\"")
-            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+            if type(mla["qk_nope_head_dim"]) is int and type(mla["qk_rope_head_dim"]) is int:
+                head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]  # else _check_mla names the field
         rope = RopeConfig.from_hf(raw, mla["qk_rope_head_dim"] if mode == "mla" else head_dim, max_positions, source)
         # Qwen3 layers rotate halves, MLA ones consecutive pairs (DeepSeek's, SpecForge's default): unless it says
         rope.interleave = bool(raw.get("rope_interleave", mode == "mla"))
