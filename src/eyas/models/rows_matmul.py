@@ -2,7 +2,7 @@
 logits of a step's decode and verify rows through the target's lm_head and the draft's.
 
 On the bundled target's lm_head (8192 x 192), one thread: 4 rows took 0.40 ms through CPU BLAS against 0.19 ms
-here, 1 row 0.10 against 0.08, 32 rows 2.0 against 1.1 (`python -m eyas.models.rows_matmul` prints these on the
+here, 1 row 0.10 against 0.09, 32 rows 1.5 against 1.3 (`python benchmarks/rows_matmul.py` measures them on the
 machine at hand). Each row's logits are computed the same way whatever rows run beside it. Built by
 eyas.models.c_kernels; where it cannot be, F.linear runs instead, after a warning.
 """
@@ -14,7 +14,6 @@ import functools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eyas.models import c_kernels
@@ -63,31 +62,3 @@ def linear_rows(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         return linear(x)
     return rows_matmul(rows, linear).view(*x.shape[:-1], linear.weight.shape[0])
 
-
-def _compare() -> None:
-    """CPU BLAS against the kernel on the bundled target's lm_head shape, one thread."""
-    import time
-
-    torch.set_num_threads(1)
-    head = nn.Linear(192, 8192, bias=False)
-    head.weight = nn.Parameter(head.weight.detach().t().contiguous().t(), requires_grad=False)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(40):
-                fn()
-            times.append((time.perf_counter() - start) / 40)
-        return min(times) * 1e3
-
-    with torch.no_grad():
-        for rows in (1, 2, 4, 8, 32):
-            x = torch.randn(rows, 192)
-            print(f"{rows:>2} rows x 8192 x 192: F.linear {best(lambda x=x: F.linear(x, head.weight)):.3f} ms, "
-                  f"kernel {best(lambda x=x: rows_matmul(x, head)):.3f} ms")
-
-
-if __name__ == "__main__":
-    _compare()

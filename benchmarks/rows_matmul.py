@@ -1,0 +1,56 @@
+"""The logits kernel (eyas.models.rows_matmul) against CPU BLAS (F.linear) on the bundled target's lm_head shape
+(8192 x 192, in gemv_layout as the engine stores it), float32, one thread, in one run:
+
+    python benchmarks/rows_matmul.py [--rows 1 2 4 8 32]
+
+Milliseconds per call, the best of 5 rounds of 40 calls; the two results must agree to 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.models import rows_matmul
+from eyas.models.layers import gemv_layout
+
+
+def best_ms(fn) -> float:
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(40):
+            fn()
+        times.append((time.perf_counter() - start) / 40)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=192)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    head = nn.Linear(args.hidden, args.vocab, bias=False)
+    head.weight = nn.Parameter(gemv_layout(head.weight.detach()), requires_grad=False)
+    if not rows_matmul.load():
+        raise SystemExit("the kernel could not be built (see the warning above)")
+    with torch.no_grad():
+        for rows in args.rows:
+            x = torch.randn(rows, args.hidden)
+            torch.testing.assert_close(rows_matmul.rows_matmul(x, head), F.linear(x, head.weight), rtol=1e-4,
+                                       atol=1e-4)
+            blas = best_ms(lambda x=x: F.linear(x, head.weight))
+            kernel = best_ms(lambda x=x: rows_matmul.rows_matmul(x, head))
+            print(f"{rows:>3} rows x {args.vocab} x {args.hidden}: F.linear {blas:.3f} ms, kernel {kernel:.3f} ms, "
+                  f"{blas / kernel:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
