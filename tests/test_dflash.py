@@ -75,22 +75,6 @@ def reference(draft: DFlashDraft, target_hidden: torch.Tensor, block_ids: torch.
     return rms(x, draft.norm.weight)
 
 
-def test_the_forward_matches_the_reference():
-    draft = make_draft()
-    torch.manual_seed(1)
-    C = 11
-    target_hidden = torch.randn(C, 2 * H)
-    anchor = torch.tensor([7])
-    block = draft.block_input_ids(anchor)[0]
-    assert block.tolist() == [7, V - 1, V - 1, V - 1]
-    with torch.no_grad():
-        kv = draft.context_kv(target_hidden[None], torch.arange(C)[None])
-        out = draft(block[None], torch.arange(C, C + 4)[None], kv)[0]
-        expected = reference(draft, target_hidden, block, C)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert draft.compute_logits(out).shape == (4, V)
-
-
 def mla_reference(draft: DFlashDraft, target_hidden: torch.Tensor, block_ids: torch.Tensor, start: int
                   ) -> torch.Tensor:
     """SpecForge's MLA-shaped DFlash forward for one sequence, written out: low-rank queries, the context and the
@@ -136,19 +120,24 @@ def mla_reference(draft: DFlashDraft, target_hidden: torch.Tensor, block_ids: to
     return rms(x, draft.norm.weight)
 
 
-def test_the_mla_shaped_forward_matches_the_reference():
-    draft = make_draft(attention="mla")
-    assert not hasattr(draft.layers[0].self_attn, "k_norm")
+@pytest.mark.parametrize("attention", ["qwen3", "mla"])
+def test_the_forward_matches_the_reference(attention):
+    draft = make_draft(attention=attention)
     torch.manual_seed(1)
     C = 11
     target_hidden = torch.randn(C, 2 * H)
-    block = draft.block_input_ids(torch.tensor([7]))[0]
+    anchor = torch.tensor([7])
+    block = draft.block_input_ids(anchor)[0]
+    assert block.tolist() == [7, V - 1, V - 1, V - 1]
     with torch.no_grad():
         kv = draft.context_kv(target_hidden[None], torch.arange(C)[None])
-        assert [t.shape for (t,) in kv] == [(1, C, 20 + 8)] * 2  # the latent and the roped key, per layer
+        if attention == "mla":  # the latent and the roped key, per layer; no q/k norms
+            assert [t.shape for (t,) in kv] == [(1, C, 20 + 8)] * 2
+            assert not hasattr(draft.layers[0].self_attn, "k_norm")
         out = draft(block[None], torch.arange(C, C + 4)[None], kv)[0]
-        expected = mla_reference(draft, target_hidden, block, C)
+        expected = (reference if attention == "qwen3" else mla_reference)(draft, target_hidden, block, C)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert draft.compute_logits(out).shape == (4, V)
 
 
 @pytest.mark.parametrize("attention", ["qwen3", "mla"])

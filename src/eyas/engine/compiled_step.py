@@ -301,7 +301,26 @@ class CompiledTarget:
         return normed, [captured[i] for i in aux_hidden_state_ids]
 
 
-class CompiledDraft:
+class _CompiledSteps:
+    """What a compiled draft passes through to the draft it wraps: everything but its steps."""
+
+    draft: Eagle3Draft | MTPDraft
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(prenorm)
+
+    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.draft.greedy_tokens(prenorm)
+
+    def cache_entry_shape(self) -> tuple[int, ...]:
+        return self.draft.cache_entry_shape()
+
+
+class CompiledDraft(_CompiledSteps):
     """An EAGLE-3 draft whose steps over decode rows run as two compiled kernels: the layer up to its cache write
     (input norms, projections, rope: queries and cache entries) and after its attention (output projection,
     residual, MLP and the carried state); the attention over the draft's cache runs eager between them. Steps it
@@ -353,21 +372,8 @@ class CompiledDraft:
         kernel, weights = self.outputs
         return kernel(weights, residual, out)[0]
 
-    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
-                              ) -> torch.Tensor:
-        return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.draft.compute_logits(prenorm)
-
-    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.draft.greedy_tokens(prenorm)
-
-    def cache_entry_shape(self) -> tuple[int, ...]:
-        return self.draft.cache_entry_shape()
-
-
-class CompiledMTP:
+class CompiledMTP(_CompiledSteps):
     """The MTP layer as a draft whose steps over decode rows run as compiled kernels, as the target's layers do: its
     input fusion (enorm, hnorm, eh_proj) with the layer up to its cache write, then the layer after its attention,
     whose MoE has a one-row form that reads only the row's routed experts. The attention over the draft's cache runs
@@ -423,19 +429,6 @@ class CompiledMTP:
         out = layer.self_attn.cached_attention(q, latent, attn, cache)
         kernel, weights = self.outputs_one_row if attn.num_tokens == 1 else self.outputs
         return kernel(weights, h, out)[0]
-
-    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
-                              ) -> torch.Tensor:
-        return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
-
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.draft.compute_logits(prenorm)
-
-    def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.draft.greedy_tokens(prenorm)
-
-    def cache_entry_shape(self) -> tuple[int, ...]:
-        return self.draft.cache_entry_shape()
 
 
 def _value_width(layer) -> int:
