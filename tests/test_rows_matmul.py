@@ -9,6 +9,15 @@ from eyas.models import c_kernels, rows_matmul
 from eyas.models.layers import gemv_layout
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The kernel runs where torch runs on one thread (the engine's rule for small models on CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def head(n: int, k: int, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     linear = nn.Linear(k, n, bias=False)
@@ -43,6 +52,9 @@ def test_f_linear_runs_where_the_kernel_does_not_take_the_call():
         assert not rows_matmul.takes(x, row_major) and not rows_matmul.takes(x, with_bias)
         assert not rows_matmul.takes(x.double(), linear) and not rows_matmul.takes(x[:, :16], linear)
         torch.testing.assert_close(rows_matmul.linear_rows(x, row_major), row_major(x))
+    torch.set_num_threads(2)  # BLAS spreads the head over every thread
+    assert not rows_matmul.takes(x, linear)
+    torch.set_num_threads(1)
     assert not rows_matmul.takes(x.requires_grad_(), linear)  # training keeps autograd's op
 
 

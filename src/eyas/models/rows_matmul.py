@@ -39,9 +39,11 @@ def load() -> bool:
 
 def takes(x: torch.Tensor, linear: nn.Linear) -> bool:
     """Whether `linear(x)` runs here: float32 rows [M, K] on CPU with no gradient wanted, a bias-free weight in
-    gemv_layout (its transpose contiguous, as pack_for_inference leaves every linear on CPU)."""
+    gemv_layout (its transpose contiguous, as pack_for_inference leaves every linear on CPU), and torch on one
+    thread (the kernel runs on one; with more, BLAS spreads a large head over all of them)."""
     w = linear.weight
     return (x.dim() == 2 and x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu"
+            and torch.get_num_threads() == 1
             and linear.bias is None and w.t().is_contiguous() and x.shape[1] == w.shape[1]
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and _library() is not None)
 
