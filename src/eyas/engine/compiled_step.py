@@ -346,18 +346,9 @@ class CompiledDraft(_CompiledSteps):
                  (f"draft-{arch}-outputs", after, lambda residual, out: (draft.carried(layer.after_attention(
                      residual, out)),), (hidden, out))]
         start = time.perf_counter()
-        kernels = []
-        for n, (name, modules, fn, args) in enumerate(calls):
-            line = (f"compiling the draft's step: kernel {n + 1}/{len(calls)} ({name}), once for this draft's shape "
-                    f"(kept in {cache_dir()})")
-            kernel = compile_kernel(name, modules, fn, args, (1, MAX_ROWS),
-                                    (lambda line=line: progress(line)) if progress is not None else None,
-                                    config_settings(draft.config))
-            weights = kernel.weights(modules)
-            _check_against_eager(f"the draft ({name})", kernel, weights, fn, args)
-            kernels.append((kernel, weights))
+        self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
+                                                   config_settings(draft.config), progress)
         self.seconds = time.perf_counter() - start
-        self.inputs, self.outputs = kernels
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
                  cache: torch.Tensor) -> torch.Tensor:
@@ -405,18 +396,9 @@ class CompiledMTP(_CompiledSteps):
                  ("mtp-outputs", after, outputs, (two[0], two[4]), (2, MAX_ROWS)),
                  ("mtp-outputs-1row", after, outputs, (one[0], one[4]), (1, 1))]
         start = time.perf_counter()
-        kernels = []
-        for n, (name, modules, fn, args, rows) in enumerate(calls):
-            line = (f"compiling the MTP layer's step: kernel {n + 1}/{len(calls)} ({name}), once for this model's "
-                    f"shape (kept in {cache_dir()})")
-            kernel = compile_kernel(name, modules, fn, args, rows,
-                                    (lambda line=line: progress(line)) if progress is not None else None,
-                                    config_settings(draft.config))
-            weights = kernel.weights(modules)
-            _check_against_eager(f"the MTP layer ({name})", kernel, weights, fn, args, rows)
-            kernels.append((kernel, weights))
+        self.inputs, self.outputs, self.outputs_one_row = _draft_kernels("the MTP layer", calls,
+                                                                         config_settings(draft.config), progress)
         self.seconds = time.perf_counter() - start
-        self.inputs, self.outputs, self.outputs_one_row = kernels
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
                  cache: torch.Tensor) -> torch.Tensor:
@@ -429,6 +411,22 @@ class CompiledMTP(_CompiledSteps):
         out = layer.self_attn.cached_attention(q, latent, attn, cache)
         kernel, weights = self.outputs_one_row if attn.num_tokens == 1 else self.outputs
         return kernel(weights, h, out)[0]
+
+
+def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None
+                   ) -> list[tuple[Kernel, list[torch.Tensor]]]:
+    """Each (name, modules, fn, example args, rows) of a draft's step compiled (or loaded), bound to its modules'
+    weights and checked against the eager function: (kernel, weights) per call."""
+    kernels = []
+    for n, (name, modules, fn, args, rows) in enumerate(calls):
+        line = (f"compiling {what}'s step: kernel {n + 1}/{len(calls)} ({name}), once for its shape (kept in "
+                f"{cache_dir()})")
+        kernel = compile_kernel(name, modules, fn, args, rows,
+                                (lambda line=line: progress(line)) if progress is not None else None, settings)
+        weights = kernel.weights(modules)
+        _check_against_eager(f"{what} ({name})", kernel, weights, fn, args, rows)
+        kernels.append((kernel, weights))
+    return kernels
 
 
 def _value_width(layer) -> int:
