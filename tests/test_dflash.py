@@ -268,6 +268,70 @@ def test_saved_and_loaded_back_bit_exact_with_the_targets_embedding_and_head(tmp
         load_dflash_draft(tmp_path / "draft", target)
 
 
+def test_a_compressed_vocabulary_round_trips_in_both_layouts_with_its_maps(tmp_path):
+    """draft_vocab_size, the draft's own head and d2t/t2d: in z-lab's layout (draft_vocab_size beside the Qwen3
+    config, as vLLM's DFlash reads it) and the speculators format, loaded back bit-exact; the logits are the head's
+    at the target ids d2t names and -inf elsewhere; a file without d2t, or a head of the wrong size, is refused."""
+    from safetensors.torch import load_file, save_file
+    from tiny import make_hf_checkpoint
+
+    from eyas import load_model
+    from eyas.checkpoint import CheckpointError, load_dflash_draft
+    from eyas.export import save_dflash_draft, save_dflash_speculators
+
+    target_cfg = target_config()
+    config = DFlashConfig.from_hf(dflash_raw(draft_vocab_size=40), target_cfg, "test")
+    assert config.compressed_vocab and config.to_hf()["draft_vocab_size"] == 40
+    assert DFlashConfig.from_hf(config.to_hf(), target_cfg, "test") == config
+    assert not DFlashConfig.from_hf(dflash_raw(draft_vocab_size=V), target_cfg, "test").compressed_vocab
+    assert "draft_vocab_size" not in DFlashConfig.from_hf(dflash_raw(), target_cfg, "test").to_hf()
+    for bad in (0, V + 1, "40"):
+        with pytest.raises(ConfigError, match="draft_vocab_size"):
+            DFlashConfig.from_hf(dflash_raw(draft_vocab_size=bad), target_cfg, "test")
+
+    make_hf_checkpoint(tmp_path / "target")
+    target = load_model(tmp_path / "target")
+    torch.manual_seed(0)
+    draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name != "embed_tokens.weight":
+                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    ids = torch.randperm(V)[:40].sort().values
+    draft.d2t.copy_(ids - torch.arange(40))
+    draft.t2d[ids] = True
+    assert draft.shared_weights == ("embed_tokens.weight",) and draft.lm_head is not target.lm_head
+
+    hidden = torch.randn(3, H)
+    logits = draft.compute_logits(hidden)
+    assert torch.equal(logits[:, ids], hidden @ draft.lm_head.weight.t())
+    assert torch.isinf(logits[:, ~draft.t2d]).all()
+    assert draft.draft_ids_of(ids).tolist() == list(range(40)) and draft.draft_ids_of(torch.tensor([
+        int((~draft.t2d).nonzero()[0])])).tolist() == [-1]
+
+    save_dflash_draft(draft, tmp_path / "zlab")
+    save_dflash_speculators(draft, tmp_path / "spec")
+    stored = load_file(tmp_path / "zlab" / "model.safetensors")
+    assert stored["lm_head.weight"].shape == (40, H) and stored["d2t"].dtype == torch.int64
+    assert torch.equal(stored["t2d"], draft.t2d) and "embed_tokens.weight" not in stored
+    assert "embed_tokens.weight" in load_file(tmp_path / "spec" / "model.safetensors")
+    for layout in ("zlab", "spec"):
+        loaded = load_dflash_draft(tmp_path / layout, target)
+        assert loaded.config.draft_vocab_size == 40, layout
+        for key, value in draft.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), (layout, key)
+        assert loaded.embed_tokens is target.model.embed_tokens
+
+    for change, message in [(lambda t: t.pop("d2t"), "d2t"),
+                            (lambda t: t.update({"lm_head.weight": torch.zeros(41, H)}), "lm_head.weight"),
+                            (lambda t: t.update({"d2t": torch.full((40,), V)}), "d2t")]:
+        tensors = dict(stored)
+        change(tensors)
+        save_file(tensors, tmp_path / "zlab" / "model.safetensors")
+        with pytest.raises(CheckpointError, match=message):
+            load_dflash_draft(tmp_path / "zlab", target)
+
+
 # -- training: anchors, blocks, losses ------------------------------------------------------------------------------
 
 def test_anchors_are_supervised_positions_with_a_supervised_next_token_and_context():

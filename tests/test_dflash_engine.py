@@ -35,7 +35,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)  # 23: la
 
 def write_dflash(path, target_dir, seed: int = 0, weights: dict | None = None, mla: bool = False, **overrides):
     """A DFlash draft for the target at `target_dir`, saved in z-lab's layout: random (norms off 1, so a missing
-    one shows) unless `weights` gives them; MLA-shaped layers if `mla`."""
+    one shows) unless `weights` gives them; MLA-shaped layers if `mla`; with `draft_vocab_size` among the
+    overrides, a compressed vocabulary of that many random target ids (its own head random too)."""
     target = DeepseekV3Config.from_dict(read_config(target_dir), "target")
     vocab = target.vocab_size
     dflash_config = {"target_layer_ids": [1, 2], "mask_token_id": vocab - 1}
@@ -56,6 +57,10 @@ def write_dflash(path, target_dir, seed: int = 0, weights: dict | None = None, m
                 p.uniform_(0.5, 1.5)
             elif p.dim() > 1:
                 p.normal_(0, 0.2)
+        if config.compressed_vocab:
+            ids = torch.randperm(vocab)[:config.draft_vocab_size].sort().values
+            draft.d2t.copy_(ids - torch.arange(len(ids)))
+            draft.t2d[ids] = True
     return save_dflash_draft(draft, path)
 
 
@@ -109,6 +114,14 @@ def mla_pair(tmp_path_factory, random_pair):
 
 
 @pytest.fixture(scope="module")
+def compressed_pair(tmp_path_factory, random_pair):
+    """random_pair's target with a random DFlash draft of block 5 over a compressed vocabulary of 40 ids."""
+    target, hf, _ = random_pair
+    return target, hf, write_dflash(tmp_path_factory.mktemp("dflash_vocab_draft"), target, block_size=5,
+                                    draft_vocab_size=40)
+
+
+@pytest.fixture(scope="module")
 def copying_pair(tmp_path_factory):
     target = tmp_path_factory.mktemp("rigged_target")
     make_hf_checkpoint(target)
@@ -131,8 +144,11 @@ def reference_drafts(hf, draft: DFlashDraft, tokens: list[int], width: int) -> l
         kv = draft.context_kv(torch.cat([states[i + 1] for i in draft.config.target_layer_ids], dim=-1),
                               torch.arange(p)[None])
         block = draft.block_input_ids(torch.tensor([tokens[p]]))
-        out = draft(block, torch.arange(p, p + draft.config.block_size)[None], kv)
-        return draft.compute_logits(out[0, 1:1 + width]).argmax(-1).tolist()
+        rows = draft(block, torch.arange(p, p + draft.config.block_size)[None], kv)[0, 1:1 + width]
+        if draft.config.compressed_vocab:  # argmax over the draft's own head, draft id i being target id i + d2t[i]
+            ids = (rows @ draft.lm_head.weight.t()).argmax(-1)
+            return (ids + draft.d2t[ids]).tolist()
+        return draft.compute_logits(rows).argmax(-1).tolist()
 
 
 def cached_and_recomputed(llm, hf, seq) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +185,7 @@ def test_cache_entries_are_the_context_kv_the_forward_takes(request, pair):
 # -- lossless ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [None, 1, 2])
-@pytest.mark.parametrize("pair", ["random_pair", "copying_pair", "mla_pair"])
+@pytest.mark.parametrize("pair", ["random_pair", "copying_pair", "mla_pair", "compressed_pair"])
 def test_greedy_dflash_equals_plain_greedy(request, pair, k):
     """Five prompts, four running at once (the fifth joins when one finishes), prompts chunked: each output equals
     plain greedy's. The rig's first draft is the target's next token (nearly always accepted), a random draft's
@@ -262,7 +278,7 @@ def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, 
 # -- the drafts and the context, exactly -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k", [None, 2])
-@pytest.mark.parametrize("pair", ["random_pair", "mla_pair"])
+@pytest.mark.parametrize("pair", ["random_pair", "mla_pair", "compressed_pair"])
 def test_drafts_are_dflash_generate_recomputed_from_scratch(request, pair, k):
     """After every step, each decoding sequence's drafts equal the reference's for its committed tokens (block
     anchored at the newest token, at position num_computed, over the whole context before it), and its draft cache

@@ -153,7 +153,6 @@ def test_unknown_keys_and_tensors_are_errors_naming_them(served, drafts, tmp_pat
         "speculators_config sets \\['ensemble'\\]": lambda raw: raw["speculators_config"].update(ensemble=2),
         "sample_from_anchor": lambda raw: raw.update(sample_from_anchor=True),
         "aux_hidden_state_layer_ids": lambda raw: raw.update(aux_hidden_state_layer_ids=[0, 3]),
-        "draft_vocab_size": lambda raw: raw.update(draft_vocab_size=4096),
     }
     for name, edit in config_errors.items():
         with pytest.raises(ConfigError, match=name):
@@ -166,6 +165,9 @@ def test_unknown_keys_and_tensors_are_errors_naming_them(served, drafts, tmp_pat
     for name, edit in tensor_errors.items():
         with pytest.raises(CheckpointError, match=name):
             load_dflash_draft(_edited(spec, tmp_path, tensors=edit), served)
+    # a compressed vocabulary needs its map: the config's claim alone is refused, naming what is missing
+    with pytest.raises(CheckpointError, match="missing: d2t"):
+        load_dflash_draft(_edited(spec, tmp_path, config=lambda raw: raw.update(draft_vocab_size=4096)), served)
     # what transformers' save_pretrained adds to speculators' own files is no draft setting
     bookkeeping = _edited(spec, tmp_path, config=lambda raw: raw.update(transformers_version="5.3.0", dtype="float32"))
     assert load_dflash_draft(bookkeeping, served).config.target_layer_ids == IDS

@@ -43,8 +43,9 @@ def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("attention", ["mha", "mla", "mha-vocab"])
 def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup, attention):
+    """mha-vocab: a compressed vocabulary of the data's 24 most frequent loss tokens, its own head."""
     from eyas import load_model
     from eyas.checkpoint import load_dflash_draft
     from eyas.config import SpeculativeConfig
@@ -53,8 +54,9 @@ def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup, atten
 
     root, target_dir, _ = setup
     mla = {"block_attention": "mla", "block_kv_lora_rank": 16} if attention == "mla" else {}
+    vocab = {"draft_vocab_size": 24} if attention == "mha-vocab" else {}
     run = root / f"learns-{attention}"
-    train(config(setup, run.name, max_steps=40, save_every=40, block_loss="ce", **mla))
+    train(config(setup, run.name, max_steps=40, save_every=40, block_loss="ce", **mla, **vocab))
     log = read_log(run / "train_log.jsonl")
     first, last = log[:5], log[-5:]
     mean = lambda rs, f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
@@ -71,10 +73,12 @@ def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup, atten
     if mla:  # the target's MLA shape, its latent as wide as asked
         assert (raw["kv_lora_rank"], raw["qk_rope_head_dim"], raw["q_lora_rank"]) == \
             (16, target.config.qk_rope_head_dim, target.config.q_lora_rank)
+    assert raw.get("draft_vocab_size") == vocab.get("draft_vocab_size")
     draft = load_dflash_draft(draft_dir, target)
     state = torch.load(run / "checkpoint" / "state.pt", weights_only=True)
     own = draft.state_dict()
-    assert set(state["draft"]) == {k for k in own if k not in ("embed_tokens.weight", "lm_head.weight")}
+    shared = ("embed_tokens.weight",) if vocab else ("embed_tokens.weight", "lm_head.weight")
+    assert draft.shared_weights == shared and set(state["draft"]) == {k for k in own if k not in shared}
     for key, value in state["draft"].items():
         assert torch.equal(own[key], value), key
     prompts = ["def add_3(a, b):\n", "def add_7(a, b):\n    return"]
@@ -84,6 +88,12 @@ def test_the_block_loss_falls_and_the_saved_draft_serves_losslessly(setup, atten
     outs = LLM(str(target_dir), speculative_config=spec).generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.num_drafted for o in outs) > 0  # the draft ran (a random target: its own answers, not the data)
+    if vocab:  # its head started from the target's rows of its tokens; soft labels are the target's over them
+        loaded = LLM(str(target_dir), speculative_config=spec)
+        assert loaded.draft.t2d.sum() == 24
+        soft = root / "soft-vocab"
+        train(config(setup, soft.name, max_steps=3, save_every=3, block_labels="soft", **vocab))
+        assert all(0 < r["loss"] < 20 for r in read_log(soft / "train_log.jsonl"))
 
 
 class Killed(Exception):
@@ -160,7 +170,6 @@ def test_fsdp_two_processes_equal_one_process_and_resume_plainly(setup):
 
 @pytest.mark.parametrize("setting, flag", [({"fc_norm": True}, "--fc-norm"), ({"ttt_steps": 5}, "--ttt-steps"),
                                           ({"loss": "lk-alpha"}, "--loss"),
-                                          ({"draft_vocab_size": 2048}, "--draft-vocab-size"),
                                           ({"freeze_lm_head": True}, "--freeze-lm-head")])
 def test_eagle3_settings_are_refused_by_name(setup, setting, flag):
     with pytest.raises(ValueError, match=f"{flag}: EAGLE-3 settings, which a DFlash draft does not have"):

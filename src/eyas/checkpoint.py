@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 
 from eyas.config import DeepseekV3Config, read_config_json
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, TargetHead
-from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
 from eyas.models.dflash import DFlashConfig, DFlashDraft
 from eyas.models.eagle3 import (
     SWITCH_WEIGHTS,
@@ -190,8 +189,9 @@ def load_dflash_draft(path: str | Path, target: DeepseekV3ForCausalLM) -> DFlash
     """Load a DFlash block draft for `target`, whose embedding and lm_head it shares: in z-lab's layout (config.json
     with `dflash_config`; weights `fc`, `hidden_norm`, `layers.{i}.*`, `norm`) or the speculators library's
     (`speculators_model_type: dflash`: the same weight names, and copies of the target's embedding and lm_head).
-    Its config is checked against the target; a copy of a shared weight must be the target's, and a weight the
-    draft does not take is an error naming it."""
+    A compressed vocabulary (`draft_vocab_size`) brings its own `lm_head` and `d2t` (`t2d` optional, derived from
+    it), as EAGLE-3 drafts do. Its config is checked against the target; a copy of a shared weight must be the
+    target's, and a weight the draft does not take is an error naming it."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such draft directory")
@@ -199,20 +199,22 @@ def load_dflash_draft(path: str | Path, target: DeepseekV3ForCausalLM) -> DFlash
     config = DFlashConfig.from_hf(raw, target.config, str(path / "config.json"))
     weight = target.lm_head.weight
     stored = read_safetensors(path)
-    _drop_shared_copies(stored, target, path)
-    tensors = dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), weight.dtype, source=str(path))
     with torch.device("meta"):
         draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
-    assign_weights(draft, tensors, path, weight.device, shared=DFLASH_SHARED_WEIGHTS)
+    _drop_shared_copies(stored, target, path, draft.shared_weights)
+    _check_vocab_maps(stored, config, path)
+    tensors = dequantize_fp8(stored, fp8_block_size(raw) or (128, 128), weight.dtype, source=str(path))
+    assign_weights(draft, tensors, path, weight.device, shared=draft.shared_weights)
     draft.rotary = Rotary(config.rope, config.max_position_embeddings).to(weight.device)
     return draft.eval()
 
 
-def _drop_shared_copies(stored: dict[str, torch.Tensor], target: DeepseekV3ForCausalLM, path: Path) -> None:
-    """Drop the file's copies of the target's embedding and lm_head (the speculators format keeps both): each must
-    be the target's tensor, up to rounding to the coarser of the two dtypes."""
+def _drop_shared_copies(stored: dict[str, torch.Tensor], target: DeepseekV3ForCausalLM, path: Path,
+                        shared: tuple[str, ...]) -> None:
+    """Drop the file's copies of the target's weights the draft shares (the speculators format keeps them): each
+    must be the target's tensor, up to rounding to the coarser of the two dtypes."""
     targets = {"embed_tokens.weight": target.model.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
-    for key in [k for k in stored if k in DFLASH_SHARED_WEIGHTS]:
+    for key in [k for k in stored if k in shared]:
         copy, own = stored.pop(key), targets[key].detach().cpu()
         if copy.shape != own.shape or not (torch.equal(copy.to(own.dtype), own) or
                                            torch.equal(copy, own.to(copy.dtype))):
@@ -354,7 +356,7 @@ def unused_weights_message(unused: list[str], config: Eagle3Config) -> str:
     return "; ".join(parts)
 
 
-def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> str:
+def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config | DFlashConfig, path: Path) -> str:
     """Validate (and complete) d2t/t2d in place; returns a line for the load report."""
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if not config.compressed_vocab:

@@ -55,7 +55,6 @@ from eyas.aux_layers import AuxConvention, from_hidden_state_ids
 from eyas.checkpoint import load_dflash_draft, load_draft, load_target_head
 from eyas.config import ConfigError, RopeConfig
 from eyas.models.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
-from eyas.models.dflash import SHARED_WEIGHTS as DFLASH_SHARED_WEIGHTS
 from eyas.models.dflash import DFlashDraft, read_dflash_config, speculators_dflash_config
 from eyas.models.eagle3 import (
     AUX_CONVENTION_FIELD,
@@ -324,10 +323,11 @@ def save_dflash_speculators(draft: DFlashDraft, path: str | Path, dtype: torch.d
 
 
 def _dflash_tensors(draft: DFlashDraft, dtype: torch.dtype, with_shared: bool) -> dict[str, torch.Tensor]:
-    """The draft's weights in `dtype`, each its own CPU copy (the shared embedding and lm_head are the target's
-    tensors, tied ones a single one, which safetensors refuses); the shared ones only `with_shared`."""
-    return {k: v.detach().to("cpu", dtype=dtype, copy=True).contiguous() for k, v in draft.state_dict().items()
-            if with_shared or k not in DFLASH_SHARED_WEIGHTS}
+    """The draft's weights in `dtype` (a compressed vocabulary's d2t/t2d keep theirs), each its own CPU copy (the
+    shared embedding and lm_head are the target's tensors, tied ones a single one, which safetensors refuses); the
+    shared ones only `with_shared`."""
+    return {k: v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
+            for k, v in draft.state_dict().items() if with_shared or k not in draft.shared_weights}
 
 
 def stored_dtype(path: str | Path) -> torch.dtype | None:
@@ -529,13 +529,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _block_export_summary(out: Path, config: dict) -> str:
     layer, spec = config["transformer_layer_config"], config["speculators_config"]
     ids = config["aux_hidden_state_layer_ids"]
+    shared = "embedding" if config["draft_vocab_size"] != layer["vocab_size"] else "embedding and lm_head"
     return (f"wrote {out}/config.json + model.safetensors ({_mb((out / 'model.safetensors').stat().st_size)}): "
             f"speculators dflash layout (vLLM, speculators), {config['architectures'][0]} over "
             f"{layer['num_hidden_layers']} Qwen3 layers, {layer['torch_dtype']}\n"
             f"  aux ids {ids} (hidden_states; z-lab target_layer_ids {[i - 1 for i in ids]}), block "
             f"{config['block_size']}: {spec['proposal_methods'][0]['speculative_tokens']} speculative tokens, mask "
-            f"token {config['mask_token_id']}; embedding and lm_head copied from the target "
-            f"({spec['verifier']['name_or_path']})")
+            f"token {config['mask_token_id']}; draft vocab {config['draft_vocab_size']} of {layer['vocab_size']}; "
+            f"{shared} copied from the target ({spec['verifier']['name_or_path']})")
 
 
 def cmd_quantize_draft(args: argparse.Namespace) -> int:

@@ -213,7 +213,7 @@ def _block_draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Conf
         problems.append(str(e))
         return facts
     c = draft.config
-    own = sum(p.numel() for name, p in draft.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
+    own = sum(p.numel() for name, p in draft.named_parameters() if name not in draft.shared_weights)
     facts.update({
         "read as hidden_states": list(draft.aux_hidden_state_ids),
         "block": f"{c.block_size} rows: the anchor and up to {c.block_size - 1} drafts per forward",
@@ -226,8 +226,11 @@ def _block_draft_facts(draft_dir: Path, target_dir: Path, config: DeepseekV3Conf
         "kept per context position": f"{math.prod(draft.cache_entry_shape())} values (all layers)",
         "fusion": f"fc {len(c.target_layer_ids)} x {c.hidden_size} -> {c.hidden_size}",
         "mask token": f"id {c.mask_token_id}",
+        "vocab": (f"draft {c.draft_vocab_size} of {c.vocab_size} (its own lm_head; d2t maps them to the target's ids)"
+                  if c.compressed_vocab else f"the target's {c.vocab_size}, through its lm_head"),
         "rope": _rope_text(c.rope, c.max_position_embeddings),
-        "weights": f"{own / 1e6:.2f}M own (embedding and lm_head: the target's)",
+        "weights": (f"{own / 1e6:.2f}M own (embedding{'' if c.compressed_vocab else ' and lm_head'}: the "
+                    "target's)"),
     })
     return facts
 

@@ -6,7 +6,8 @@ decoder layers that propose a whole block of tokens in one forward, where an EAG
     in each layer:  q from the block;  k = k_norm(k_proj(cat(ctx, block))),  v = v_proj(cat(ctx, block)),
                     rope at the context's and the block's positions; the block attends to all of its context and,
                     non-causally, to the whole block
-    norm, then the target's lm_head at block rows 1..B-1: the B-1 drafts
+    norm, then the target's lm_head at block rows 1..B-1: the B-1 drafts (or, with a compressed draft vocabulary,
+    the draft's own head over draft_vocab_size ids, draft id i being target id i + d2t[i], as in EAGLE-3 drafts)
 
 The context enters every layer only through that layer's k_proj/v_proj, so its keys and values can be computed once
 per committed position and kept (`context_kv`), as a KV cache is; the block's own are recomputed each time.
@@ -34,6 +35,7 @@ from torch import nn
 
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.deepseek_v3 import MLAttention
+from eyas.models.eagle3 import target_ids_of
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
 from eyas.models.rows_matmul import linear_rows
 
@@ -43,7 +45,7 @@ DFLASH_CONFIG_KEYS = ("target_layer_ids", "mask_token_id", "attention_mode")
 # dflash_config.attention_mode: Qwen3 attention (gqa: grouped KV heads, mha: one per query head) or DeepSeek's MLA
 ATTENTION_MODES = ("gqa", "mha", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's
+SHARED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # the target's (a compressed vocabulary: the embedding)
 
 
 def read_dflash_config(draft_dir: str | Path) -> dict | None:
@@ -87,6 +89,7 @@ class DFlashConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    draft_vocab_size: int | None = None  # None: the target's vocabulary, through its lm_head
     source: str = "config.json"
 
     def __post_init__(self) -> None:
@@ -120,6 +123,17 @@ class DFlashConfig:
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise _wrong(src, "dflash_config.mask_token_id", self.mask_token_id,
                          f"a token id below vocab_size {self.vocab_size}")
+        if self.draft_vocab_size is not None and (type(self.draft_vocab_size) is not int
+                                                  or not 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise _wrong(src, "draft_vocab_size", self.draft_vocab_size, f"an integer in 1..vocab_size "
+                         f"({self.vocab_size}), or absent for the target's whole vocabulary")
+        if self.draft_vocab_size == self.vocab_size:
+            self.draft_vocab_size = None
+
+    @property
+    def compressed_vocab(self) -> bool:
+        """Whether the draft proposes from a vocabulary of its own (draft_vocab_size ids, its own lm_head and d2t)."""
+        return self.draft_vocab_size is not None
 
     def _check_mla(self) -> None:
         src = self.source
@@ -212,7 +226,7 @@ class DFlashConfig:
                    num_target_layers=num_target_layers, rope=rope, max_position_embeddings=max_positions,
                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                    attention_bias=bool(raw.get("attention_bias", False)), attention_mode=mode, **mla,
-                   source=source)
+                   draft_vocab_size=raw.get("draft_vocab_size"), source=source)
 
     def to_hf(self) -> dict:
         """config.json in z-lab's layout (a Qwen3 config), as vLLM (`method: dflash`) and SGLang read it."""
@@ -229,6 +243,8 @@ class DFlashConfig:
                               **({"attention_mode": "mla"} if self.attention_mode == "mla" else {})},
             **({name: getattr(self, name) for name in MLA_FIELDS} if self.attention_mode == "mla" else {}),
             **self.rope.to_hf(), "rope_interleave": self.rope.interleave,
+            # vLLM's DFlash reads it beside d2t (its qwen3_dflash.py); absent, the target's vocabulary
+            **({"draft_vocab_size": self.draft_vocab_size} if self.compressed_vocab else {}),
         }
 
 
@@ -244,7 +260,9 @@ class DFlashConfig:
 # - config.json holds exactly SPECULATORS_DFLASH_FIELDS [S config.py]: architectures ["DFlashSpeculator"];
 #   transformer_layer_config, the Qwen3 config of the draft's layers: z-lab's config.json less architectures,
 #   auto_map, block_size, dflash_config and num_target_layers [S converter.py]; draft_vocab_size (the target's
-#   vocabulary here: no d2t/t2d); block_size; target_hidden_size; aux_hidden_state_layer_ids = z-lab's
+#   vocabulary, or a compressed one with d2t and t2d tensors beside lm_head, as speculators' EAGLE-3 drafts keep
+#   them; vLLM loads d2t as draft_id_to_target_id [V qwen3_dflash.py]); block_size; target_hidden_size;
+#   aux_hidden_state_layer_ids = z-lab's
 #   target_layer_ids + 1 [S converter.py; V algos.py maps them back with - 1]; mask_token_id;
 #   sliding_window_non_causal (default false); sample_from_anchor (default false: the anchor is the token being
 #   verified and block rows 1..B-1 the B - 1 drafts, as in z-lab's block and eyas's); speculators_version; and
@@ -270,7 +288,7 @@ SPECULATORS_DFLASH_FIELDS = ("architectures", "speculators_model_type", "specula
 # what transformers' save_pretrained adds to every config it writes (speculators' too): nothing about the draft
 PRETRAINED_BOOKKEEPING = ("transformers_version", "torch_dtype", "dtype")
 _SPECULATORS_CONFIG_KEYS = ("algorithm", "proposal_methods", "default_proposal_method", "verifier")
-_NOT_LAYER_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+_NOT_LAYER_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "draft_vocab_size")
 
 
 def is_speculators_dflash(raw: dict) -> bool:
@@ -309,7 +327,7 @@ def speculators_dflash_config(config: DFlashConfig, version: str, verifier: dict
             "verifier": {"name_or_path": verifier["name_or_path"], "architectures": list(verifier["architectures"])},
         },
         "transformer_layer_config": layer,
-        "draft_vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         "block_size": B,
         "target_hidden_size": config.hidden_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
@@ -336,9 +354,6 @@ def speculators_dflash_to_hf(raw: dict, source: str) -> dict:
                      "then block_size - 1 drafts)")
     if not isinstance(raw.get("sliding_window_non_causal", False), bool):
         raise _wrong(source, "sliding_window_non_causal", raw["sliding_window_non_causal"], "true or false")
-    if raw.get("draft_vocab_size", layer.get("vocab_size")) != layer.get("vocab_size"):
-        raise _wrong(source, "draft_vocab_size", raw["draft_vocab_size"], f"the vocab_size of its layers, "
-                     f"{layer.get('vocab_size')} (eyas runs DFlash drafts over the target's whole vocabulary)")
     if raw.get("target_hidden_size") not in (None, layer.get("hidden_size")):
         raise _wrong(source, "target_hidden_size", raw["target_hidden_size"], f"null or the hidden_size of its "
                      f"layers, {layer.get('hidden_size')}")
@@ -349,8 +364,9 @@ def speculators_dflash_to_hf(raw: dict, source: str) -> dict:
     if type(mask) is not int:
         raise _wrong(source, "mask_token_id", mask, "a token id")
     _check_proposals(raw.get("speculators_config"), raw.get("block_size"), source)
+    vocab = {"draft_vocab_size": raw["draft_vocab_size"]} if raw.get("draft_vocab_size") is not None else {}
     return {**layer, "architectures": [ARCHITECTURE], "block_size": raw.get("block_size"),
-            "dflash_config": {"target_layer_ids": [i - 1 for i in ids], "mask_token_id": mask}}
+            "dflash_config": {"target_layer_ids": [i - 1 for i in ids], "mask_token_id": mask}, **vocab}
 
 
 def _check_proposals(spec: Any, block_size: Any, source: str) -> None:
@@ -458,9 +474,8 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDraft(nn.Module):
     """The draft's own weights (`fc`, `hidden_norm`, `layers`, `norm`) over the target's embedding and lm_head,
-    which it shares (SHARED_WEIGHTS: neither saved with the draft nor trained)."""
-
-    shared_weights = SHARED_WEIGHTS
+    which it shares (`shared_weights`: neither saved with the draft nor trained). With a compressed vocabulary the
+    head is the draft's own (draft_vocab_size rows, saved and trained) with its d2t/t2d maps; `lm_head` is unused."""
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()
@@ -471,6 +486,13 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.embed_tokens = embed_tokens  # the target's, shared: their keys are not the draft's own weights
+        self.shared_weights: tuple[str, ...] = SHARED_WEIGHTS
+        if config.compressed_vocab:
+            lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            self.shared_weights = ("embed_tokens.weight",)
+            # draft id i is target id i + d2t[i]; t2d marks the target ids the draft can propose
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.lm_head = lm_head
         self.rotary = Rotary(config.rope, config.max_position_embeddings)
 
@@ -499,8 +521,27 @@ class DFlashDraft(nn.Module):
             x = layer(x, cos, sin, kv, mask)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft's vocabulary [..., draft_vocab_size] (the target's when not compressed)."""
         return linear_rows(hidden, self.lm_head)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [..., vocab]; ids outside a compressed draft vocabulary get -inf."""
+        logits = self.draft_logits(hidden)
+        if not self.config.compressed_vocab:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., target_ids_of(self.d2t)] = logits
+        return out
+
+    def draft_ids_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft ids, -1 where the draft vocabulary lacks the token (identity when not
+        compressed)."""
+        if not self.config.compressed_vocab:
+            return token_ids
+        draft_id = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        draft_id[target_ids_of(self.d2t)] = torch.arange(self.config.draft_vocab_size, device=token_ids.device)
+        return draft_id[token_ids]
 
     # -- what the engine's block proposer needs (eyas.engine.block_proposer.BlockDraft) --------------------------
     @property
@@ -575,11 +616,12 @@ def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: in
 
 def new_dflash_config(target: DeepseekV3Config, num_layers: int, block_size: int, target_layer_ids: tuple[int, ...],
                       mask_token_id: int, intermediate_size: int = 0, attention_mode: str = "mha",
-                      kv_lora_rank: int = 0) -> DFlashConfig:
+                      kv_lora_rank: int = 0, draft_vocab_size: int | None = None) -> DFlashConfig:
     """A new draft shaped after `target`, with its dense MLP width unless `intermediate_size` says otherwise.
     attention_mode "mha": Qwen3-style layers of the target's width and head count (head_dim = hidden / heads, one KV
     head per query head), the target's rope rotating halves, as Qwen3 does. "mla": the target's own attention shape
-    (its q_lora_rank, head dims and rope), with `kv_lora_rank` (0: the target's) as the latent's width."""
+    (its q_lora_rank, head dims and rope), with `kv_lora_rank` (0: the target's) as the latent's width.
+    `draft_vocab_size`: a compressed draft vocabulary (None: the target's, through its lm_head)."""
     heads = target.num_attention_heads
     shape: dict[str, Any] = {}
     if attention_mode == "mla":
@@ -602,19 +644,33 @@ def new_dflash_config(target: DeepseekV3Config, num_layers: int, block_size: int
                         vocab_size=target.vocab_size, num_target_layers=target.num_hidden_layers, rope=rope,
                         max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps,
                         attention_mode="mla" if attention_mode == "mla" else "gqa", **shape,
-                        source="the new draft's settings")
+                        draft_vocab_size=draft_vocab_size, source="the new draft's settings")
 
 
-def init_dflash_draft(target: nn.Module, config: DFlashConfig, seed: int = 0) -> DFlashDraft:
+def init_dflash_draft(target: nn.Module, config: DFlashConfig, seed: int = 0,
+                      d2t: torch.Tensor | None = None) -> DFlashDraft:
     """Random projections (std 0.02) and unit norms, over the target's embedding and lm_head (shared, frozen); built
-    on the CPU (the same numbers whatever the device), then moved next to the target, its own weights float32."""
+    on the CPU (the same numbers whatever the device), then moved next to the target, its own weights float32. A
+    compressed vocabulary (`d2t`, its draft_vocab_size long) starts its own head from the target's lm_head rows of
+    its tokens, trained from there, as an EAGLE-3 draft's."""
     torch.manual_seed(seed)
     draft = DFlashDraft(config, target.model.embed_tokens, target.lm_head)
     for name, p in draft.named_parameters():
-        if name in SHARED_WEIGHTS:
+        if name in draft.shared_weights:
             continue
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
         else:
             nn.init.ones_(p)
+    if config.compressed_vocab:
+        if d2t is None or d2t.shape != (config.draft_vocab_size,):
+            raise ValueError(f"a draft vocabulary of {config.draft_vocab_size} needs a d2t map of that length")
+        rows = target_ids_of(d2t.to(draft.d2t.device))
+        draft.d2t.copy_(d2t)
+        draft.t2d.zero_()
+        draft.t2d[rows] = True
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(target.lm_head.weight.detach().to("cpu", torch.float32)[rows])
+    elif d2t is not None:
+        raise ValueError("a d2t map was given for a draft over the target's whole vocabulary")
     return draft.to(device=target.lm_head.weight.device)

@@ -69,7 +69,7 @@ def _add_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--draft-vocab-size", type=int, help="compress the draft vocabulary to the N most frequent "
                    "loss tokens of the data; 0: the target's whole vocabulary (default: auto, the fewest ids, in "
                    "multiples of 256, covering 95%% of the loss tokens, or the whole vocabulary when that is more "
-                   "than half of it)")
+                   "than half of it; a DFlash draft: the whole vocabulary, through the target's lm_head)")
     p.add_argument("--vocab-file", help="d2t/t2d from `eyas calibrate-vocab` (overrides --draft-vocab-size)")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", help="target layers to fuse (default: the standard "
                    "early/middle/late rule (2, L//2, L-3) in hidden_states convention)")

@@ -17,7 +17,7 @@ BLOCK_LABELS = ("hard", "soft")
 BLOCK_ATTENTIONS = ("mha", "mla")  # eyas.models.dflash.new_dflash_config
 # the EAGLE-3 settings a DFlash run does not read, and the DFlash ones an EAGLE-3 run does not: set to anything but
 # their default, they are an error
-EAGLE_ONLY = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "freeze_lm_head", "vocab_file")
+EAGLE_ONLY = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual", "freeze_lm_head")
 DFLASH_ONLY = ("num_draft_layers", "block_size", "num_anchors", "block_loss", "block_labels", "block_loss_gamma",
                "block_loss_alpha", "mask_token_id", "block_attention", "block_kv_lora_rank")
 
@@ -36,8 +36,8 @@ class TrainConfig:
     vllm_storage: str | None = None
     keep_server_files: bool = False
     draft_arch: str = "mla"
-    # None: auto (auto_draft_vocab_size: the ids covering 95% of the loss tokens, if under half the vocabulary);
-    # 0: the target's whole vocabulary; N: the N most frequent loss tokens
+    # None: auto (auto_draft_vocab_size: the ids covering 95% of the loss tokens, if under half the vocabulary;
+    # a DFlash draft: the whole vocabulary); 0: the target's whole vocabulary; N: the N most frequent loss tokens
     draft_vocab_size: int | None = None
     vocab_file: str | None = None  # d2t/t2d from `eyas calibrate-vocab`
     aux_layer_ids: list[int] | None = None
@@ -153,12 +153,10 @@ class TrainConfig:
         defaults = {f.name: f.default for f in fields(TrainConfig)}
         ignored = [name for name in EAGLE_ONLY if getattr(self, name) != defaults[name]]
         ignored += [name for name in ("ttt_steps", "loss_decay", "loss") if getattr(self, name) != defaults[name]]
-        if self.draft_vocab_size not in (None, 0):
-            ignored.append("draft_vocab_size")
         if ignored:
             flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
-            raise ValueError(f"{flags}: EAGLE-3 settings, which a DFlash draft does not have (it drafts over the "
-                             "target's whole vocabulary through the target's own lm_head, one block per forward)")
+            raise ValueError(f"{flags}: EAGLE-3 settings, which a DFlash draft does not have (it drafts one block "
+                             "per forward, with no train-time test steps)")
 
     def autocast(self, device: torch.device) -> torch.autocast:
         """The context the draft's loss runs in: bfloat16 matmuls (float32 weights) or plain float32."""

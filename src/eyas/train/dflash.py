@@ -10,7 +10,8 @@ Losses, per block row k = 1..B-1 with cross-entropy CE_k against x_{a+k}:
   dpace  q_k = exp(-CE_k), q'_k = (1 - alpha) q_k + alpha, C_j = prod_{k<=j} q'_k, w_j = sum_{m>=j} C_m
          (no gradient through w): a row counts as much as the accepted runs that would reach it and go on
          (D-PACE, the default of speculators' and Model Optimizer's DFlash trainers, alpha 0.5)
-and the loss is sum(w * CE) / sum(w) over the rows whose label exists and is supervised.
+and the loss is sum(w * CE) / sum(w) over the rows whose label exists and is supervised (and, with a compressed
+draft vocabulary, lies in it: the logits and soft labels are over the draft's ids).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.models.dflash import DFlashDraft, block_attention_mask
+from eyas.models.eagle3 import target_ids_of
 from eyas.train.ttt import read_positions
 
 LOSSES = ("ce", "dpace")
@@ -171,16 +173,23 @@ class BlockObjective(nn.Module):
         hidden = draft(blocks.input_ids, blocks.positions, context, mask)
         A = blocks.anchors.shape[1]
         rows = blocks.valid.flatten(1)  # the head runs at the taught rows only: it is the widest matmul
-        logits = hidden.new_zeros(B, A * bs, draft.config.vocab_size)
-        logits[rows] = draft.compute_logits(hidden[rows].to(draft.lm_head.weight.dtype)).to(logits.dtype)
+        logits = hidden.new_zeros(B, A * bs, draft.lm_head.weight.shape[0])
+        logits[rows] = draft.draft_logits(hidden[rows].to(draft.lm_head.weight.dtype)).to(logits.dtype)
+        # in a compressed vocabulary's ids; a label outside it is a row the draft cannot propose: not taught, as
+        # an EAGLE-3 draft's steps whose target token lies outside its vocabulary
+        labels = draft.draft_ids_of(blocks.labels)
+        valid = blocks.valid & (labels >= 0)
         soft = None
         if self.soft_labels:  # the distribution for the token at position p is the target's at p - 1
             read = read_positions(loss_mask)
             row_of = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
             row_of[read] = torch.arange(int(read.sum()), device=input_ids.device)
             before = (blocks.positions.view(B, A, bs)[..., 1:] - 1).clamp(0, T - 1)  # past the end: not taught
-            taught = blocks.valid[..., 1:]
+            taught = valid[..., 1:]
             rows_read = torch.gather(row_of, 1, before.flatten(1)).view(B, A, bs - 1)[taught]
-            soft = F.softmax(target_logits[rows_read].float(), dim=-1)
-        return block_loss_terms(logits.view(B, A, bs, -1), blocks.labels, blocks.valid, self.loss, self.gamma,
+            taught_logits = target_logits[rows_read]
+            if draft.config.compressed_vocab:  # the target's distribution over the draft's ids, renormalised
+                taught_logits = taught_logits.index_select(1, target_ids_of(draft.d2t))
+            soft = F.softmax(taught_logits.float(), dim=-1)
+        return block_loss_terms(logits.view(B, A, bs, -1), labels.clamp(min=0), valid, self.loss, self.gamma,
                                 self.alpha, soft)

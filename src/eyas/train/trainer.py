@@ -99,7 +99,7 @@ def setup(cfg: TrainConfig, resume: bool) -> Run:
     if len(data.examples) < cfg.batch_size:
         raise ValueError(f"{len(data.examples)} training examples are fewer than one batch of {cfg.batch_size}")
     if cfg.draft_arch == "dflash":
-        draft = _new_block_draft(cfg, target, data)
+        draft = _new_block_draft(cfg, target, data, rank)
         loss_fn = BlockObjective(draft, cfg.block_loss, cfg.block_loss_gamma, cfg.block_loss_alpha, cfg.num_anchors,
                                  soft_labels=cfg.block_labels == "soft")
     else:
@@ -137,16 +137,19 @@ def _new_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData, rank: in
     return draft
 
 
-def _new_block_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData) -> DFlashDraft:
+def _new_block_draft(cfg: TrainConfig, target: nn.Module, data: TrainingData, rank: int) -> DFlashDraft:
     """A DFlash draft at step 0 over the data's target layers (aux ids are hidden_states indices: layer i's output
-    is hidden_states[i + 1], z-lab's target_layer_ids are the layers)."""
+    is hidden_states[i + 1], z-lab's target_layer_ids are the layers), over the target's whole vocabulary unless
+    --draft-vocab-size or --vocab-file compress it (z-lab's drafts and vLLM's default are the whole vocabulary)."""
     from eyas.engine.llm import load_tokenizer
 
     mask = choose_mask_token_id(target.config.vocab_size, load_tokenizer(cfg.target), cfg.mask_token_id)
+    d2t, draft_vocab = training_vocab(cfg.vocab_file, cfg.draft_vocab_size or 0, data.examples,
+                                      target.config.vocab_size, report=rank == 0)
     config = new_dflash_config(target.config, cfg.num_draft_layers, cfg.block_size,
                                tuple(i - 1 for i in data.aux_ids), mask, cfg.intermediate_size, cfg.block_attention,
-                               cfg.block_kv_lora_rank)
-    return init_dflash_draft(target, config, seed=cfg.seed)
+                               cfg.block_kv_lora_rank, draft_vocab or None)
+    return init_dflash_draft(target, config, seed=cfg.seed, d2t=d2t if config.compressed_vocab else None)
 
 
 def _resume(run: Run) -> None:
