@@ -75,6 +75,9 @@ class BlockDraft(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary."""
 
+    def greedy_proposals(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of compute_logits, in target token ids."""
+
 
 class BlockProposer(Proposer):
     """`Proposer`'s width policy, budgets and grammar handling, with one block forward in place of the chain."""
@@ -109,14 +112,20 @@ class BlockProposer(Proposer):
         if active:
             # block: one forward for every drafting sequence, anchored at its newest token (position num_computed)
             out = self._block(seqs, active, [new_tokens[i][-1] for i in active], [num_computed[i] for i in active])
-            logits = self.draft.compute_logits(out[:, 1:1 + max(budgets)])  # [len(active), w, vocab]
+            rows = out[:, 1:1 + max(budgets)]
+            # the greedy proposals of every row in one call of the draft's head; logits over the whole target
+            # vocabulary only where a grammar masks them
+            constrained = any(seqs[i].grammar is not None for i in active)
+            logits = self.draft.compute_logits(rows) if constrained else None  # [len(active), w, vocab]
+            greedy = None if constrained else self.draft.greedy_proposals(rows)  # [len(active), w]
             block_row = {i: r for r, i in enumerate(active)}
             for k in range(max(budgets)):  # drafts: row k + 1 of each block; a grammar has seen drafts 1..k
                 active = [i for i in active if budgets[i] > k]
                 if not active:
                     break
-                self._next_drafts(None, active, seqs, drafts, budgets,
-                                  logits=logits[[block_row[i] for i in active], k])
+                at = [block_row[i] for i in active]
+                self._next_drafts(None, active, seqs, drafts, budgets, logits=logits[at, k] if constrained else None,
+                                  tokens=None if constrained else greedy[at, k])
         self._rollback_grammars(seqs, grammar_steps, drafts)
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
 

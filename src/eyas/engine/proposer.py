@@ -208,14 +208,16 @@ class Proposer:
                           self.max_model_len - length, slots - length))
 
     def _next_drafts(self, hidden_k: torch.Tensor | None, active: list[int], seqs: list[Sequence],
-                     drafts: list[list[int]], budgets: list[int], logits: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     drafts: list[list[int]], budgets: list[int], logits: torch.Tensor | None = None,
+                     tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The draft's greedy proposals [len(active)] from its pre-norm outputs, appended to each active sequence's
         drafts. A constrained sequence proposes the argmax over the tokens its grammar allows and its matcher
         accepts it; it stops drafting (its budget is cut) at the grammar's end or when no token is allowed.
         `logits` [len(active), vocab]: the draft's logits at these rows when computed already (a block draft's,
-        from one forward), instead of `hidden_k`."""
-        tokens = self.draft.greedy_tokens(hidden_k) if logits is None else logits.argmax(-1)
+        from one forward), instead of `hidden_k`; `tokens`: its greedy proposals, when no active sequence has a
+        grammar."""
+        if tokens is None:
+            tokens = self.draft.greedy_tokens(hidden_k) if logits is None else logits.argmax(-1)
         constrained = [j for j, i in enumerate(active) if seqs[i].grammar is not None]
         if constrained:
             bitmask = seqs[active[constrained[0]]].grammar.cache.new_bitmask(len(constrained))

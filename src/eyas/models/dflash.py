@@ -534,6 +534,12 @@ class DFlashDraft(nn.Module):
         out[..., target_ids_of(self.d2t)] = logits
         return out
 
+    def greedy_proposals(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's proposals as target ids: argmax over its own vocabulary, mapped through d2t (the head's
+        matmul over draft_vocab_size rows only)."""
+        draft_ids = self.draft_logits(hidden).argmax(-1)
+        return draft_ids + self.d2t[draft_ids] if self.config.compressed_vocab else draft_ids
+
     def draft_ids_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> draft ids, -1 where the draft vocabulary lacks the token (identity when not
         compressed)."""
