@@ -158,6 +158,7 @@ async def client_loop(http: httpx.AsyncClient, client: int, log: dict) -> None:
         if not body["stream"]:
             r = await http.post(path, json=body)
             log["status"].append(r.status_code)
+            assert r.status_code == 200, (r.status_code, r.text[:2000])  # an error's body says which
             data = r.json()
             choice = data["choices"][0]
             assert data["object"] == ("chat.completion" if chat else "text_completion")
