@@ -27,6 +27,7 @@ from pathlib import Path
 
 from eyas import LLM, SamplingParams
 from eyas.config import SpeculativeConfig
+from eyas.models.dflash import read_dflash_config
 from eyas.paths import DEFAULT_DRAFT, DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
 from eyas.records import read_prompt_file
 
@@ -34,15 +35,16 @@ from eyas.records import read_prompt_file
 def engines(args: argparse.Namespace) -> dict[str, LLM]:
     """name -> engine: plain, fixed-0..fixed-K, adaptive; one lane per sequence up to the largest concurrency."""
     common = dict(max_num_seqs=max(args.concurrency), threads=args.threads, compiled_step=not args.enforce_eager)
+    method = "dflash" if read_dflash_config(args.draft_model) is not None else "eagle"  # a block draft, or a chain
     out = {"plain": LLM(args.model, **common)}
     top = max(args.concurrency)
     for w in range(args.num_speculative_tokens + 1):
         rule = [{"batch_start": 1, "batch_end": top, "num_tokens": w}]
-        config = SpeculativeConfig(method="eagle", draft_model=str(args.draft_model),
+        config = SpeculativeConfig(method=method, draft_model=str(args.draft_model),
                                    num_speculative_tokens=args.num_speculative_tokens,
                                    num_speculative_tokens_per_batch_size=rule)
         out[f"fixed-{w}"] = LLM(args.model, speculative_config=config, **common)
-    config = SpeculativeConfig(method="eagle", draft_model=str(args.draft_model),
+    config = SpeculativeConfig(method=method, draft_model=str(args.draft_model),
                                num_speculative_tokens=args.num_speculative_tokens, adaptive_width=True)
     out["adaptive"] = LLM(args.model, speculative_config=config, **common)
     return out
@@ -97,7 +99,8 @@ def run_args(doc: str, warmup_runs: int) -> argparse.ArgumentParser:
     """The flags of a benchmark that runs engines side by side on the eval prompts at several concurrencies."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT)
+    ap.add_argument("--draft-model", type=Path, default=DEFAULT_DRAFT,
+                    help="an EAGLE-3 draft, or a DFlash block draft (known by its config.json; give K <= block - 1)")
     ap.add_argument("--prompts", type=Path, default=DEFAULT_EVAL_PROMPTS)
     ap.add_argument("--num-speculative-tokens", type=int, default=3, help="K: the widest width (default 3)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
