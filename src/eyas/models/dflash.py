@@ -35,7 +35,7 @@ from torch import nn
 
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.deepseek_v3 import MLAttention
-from eyas.models.eagle3 import target_ids_of
+from eyas.models.eagle3 import fill_vocab_maps, register_vocab_maps, target_ids_of, to_target_vocab
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
 from eyas.models.rows_matmul import linear_rows
 
@@ -490,9 +490,7 @@ class DFlashDraft(nn.Module):
         if config.compressed_vocab:
             lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.shared_weights = ("embed_tokens.weight",)
-            # draft id i is target id i + d2t[i]; t2d marks the target ids the draft can propose
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            register_vocab_maps(self, config.draft_vocab_size, config.vocab_size)
         self.lm_head = lm_head
         self.rotary = Rotary(config.rope, config.max_position_embeddings)
 
@@ -528,11 +526,7 @@ class DFlashDraft(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary [..., vocab]; ids outside a compressed draft vocabulary get -inf."""
         logits = self.draft_logits(hidden)
-        if not self.config.compressed_vocab:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., target_ids_of(self.d2t)] = logits
-        return out
+        return to_target_vocab(logits, self.d2t, self.config.vocab_size) if self.config.compressed_vocab else logits
 
     def greedy_proposals(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's proposals as target ids: argmax over its own vocabulary, mapped through d2t (the head's
@@ -669,12 +663,7 @@ def init_dflash_draft(target: nn.Module, config: DFlashConfig, seed: int = 0,
         else:
             nn.init.ones_(p)
     if config.compressed_vocab:
-        if d2t is None or d2t.shape != (config.draft_vocab_size,):
-            raise ValueError(f"a draft vocabulary of {config.draft_vocab_size} needs a d2t map of that length")
-        rows = target_ids_of(d2t.to(draft.d2t.device))
-        draft.d2t.copy_(d2t)
-        draft.t2d.zero_()
-        draft.t2d[rows] = True
+        rows = fill_vocab_maps(draft, d2t)
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.lm_head.weight.detach().to("cpu", torch.float32)[rows])
     elif d2t is not None:

@@ -380,6 +380,35 @@ def target_ids_of(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
 
+# A compressed draft vocabulary, as EAGLE-3 and DFlash drafts keep it: buffers d2t [draft_vocab] (draft id i is target
+# id i + d2t[i]) and t2d [vocab] (the target ids the draft can propose), the draft's head over its own ids.
+
+def register_vocab_maps(draft: nn.Module, draft_vocab_size: int, vocab_size: int) -> None:
+    """Empty d2t and t2d buffers on `draft`, filled by fill_vocab_maps or a checkpoint."""
+    draft.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+    draft.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+
+def fill_vocab_maps(draft: nn.Module, d2t: torch.Tensor | None) -> torch.Tensor:
+    """`draft`'s d2t and t2d from `d2t`, which must be as long as its d2t buffer; returns the target ids [draft
+    vocab], the rows of the target's lm_head the draft's head starts from."""
+    if d2t is None or d2t.shape != draft.d2t.shape:
+        raise ValueError(f"a draft vocabulary of {draft.d2t.shape[0]} needs a d2t map of that length")
+    rows = target_ids_of(d2t.to(draft.d2t.device))
+    draft.d2t.copy_(d2t)
+    draft.t2d.zero_()
+    draft.t2d[rows] = True
+    return rows
+
+
+def to_target_vocab(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary [..., draft_vocab] -> over the target's [..., vocab], -inf at the ids outside
+    it."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., target_ids_of(d2t)] = logits
+    return out
+
+
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft head. `embed_tokens` is the target's module (shared); `lm_head` is the draft's own, or the
     target's when the checkpoint has none (then draft vocab = target vocab)."""
@@ -401,9 +430,7 @@ class Eagle3Draft(nn.Module):
         # the target's weights it runs with (neither saved with the draft nor trained)
         self.shared_weights = ("embed_tokens.weight",) + (("lm_head.weight",) if lm_head is not None else ())
         if config.compressed_vocab:
-            # draft id i is target id i + d2t[i]; t2d marks the target ids the draft can propose
-            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            register_vocab_maps(self, config.draft_vocab_size, config.vocab_size)
         self.rotary = Rotary(config.rope, config.max_position_embeddings)
         self.load_report: dict[str, Any] = {}
 
@@ -455,12 +482,7 @@ class Eagle3Draft(nn.Module):
     def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary [..., vocab]; target ids outside the draft vocabulary get -inf."""
         logits = self.draft_logits(prenorm)  # [..., draft_vocab]
-        if not self.config.compressed_vocab:
-            return logits
-        target_ids = target_ids_of(self.d2t)
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., target_ids] = logits
-        return out
+        return to_target_vocab(logits, self.d2t, self.config.vocab_size) if self.config.compressed_vocab else logits
 
     def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
         """The draft's proposals as target ids: argmax in the draft vocabulary, mapped through d2t."""
@@ -521,14 +543,7 @@ def init_draft(target: DeepseekV3ForCausalLM, config: Eagle3Config, d2t: torch.T
             torch.nn.init.normal_(p, std=0.02)
         else:
             torch.nn.init.ones_(p)
-    rows = torch.arange(config.vocab_size)
-    if config.compressed_vocab:
-        if d2t is None or d2t.shape[0] != config.draft_vocab_size:
-            raise ValueError(f"a draft vocabulary of {config.draft_vocab_size} needs a d2t map of that length")
-        draft.d2t.copy_(d2t)
-        rows = target_ids_of(d2t)
-        draft.t2d.zero_()
-        draft.t2d[rows] = True
+    rows = fill_vocab_maps(draft, d2t) if config.compressed_vocab else torch.arange(config.vocab_size)
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.lm_head.weight[rows])
         draft.norm.weight.copy_(target.model.norm.weight)
