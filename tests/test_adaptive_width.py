@@ -110,8 +110,12 @@ def test_the_engine_with_an_adaptive_width_is_lossless_and_learns():
     with llm.plain_decoding():
         plain = [o.token_ids for o in llm.generate(prompts, params)]
     assert speculative == plain
-    buckets = llm.speculative.adaptive.buckets
-    assert buckets and all(llm.speculative.adaptive.step_times(8)), buckets
+    policy = llm.speculative.adaptive
+    assert policy.buckets and all(policy.step_times(8)), policy.buckets
+    # the draft's work on the prompts was timed, and the prompt positions counted against the tokens committed
+    assert policy.context_long and policy.context_short and policy.context_seconds_per_row() > 0
+    prompt_tokens = sum(len(llm.encode(p)) for p in prompts)  # decayed over the steps since: a little less
+    assert 0.8 * prompt_tokens < policy.prompt_rows <= prompt_tokens and policy.committed > 0
 
 
 def test_an_unlucky_first_trial_does_not_park_a_position():
@@ -223,3 +227,81 @@ def test_probes_back_off_while_the_neighbour_is_far_behind():
     starts = [i for i in range(1, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     assert [b - a for a, b in zip(starts, starts[1:])][:3] == [16, 16, 16], starts  # the first probe saw it close
     assert policy.buckets[1].width == 1  # ... and once half the window of width 1's steps is new, it is taken
+
+
+def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths():
+    """Width 1 is 12% ahead of width 0 on its decode steps, but every committed token brings 3 prompt positions
+    the draft must also run over while drafting (a server whose finished requests are replaced by new prompts): at
+    the draft's measured 63 us a position, width 1 falls behind and width 0 is chosen. Without prompt traffic the
+    same timings keep width 1."""
+    times, accepted = {0: 0.010, 1: 0.0145}, [1] * 5 + [0] * 3  # q_1 = 5/8: 1.625 / 14.5 ms against 1 / 10 ms
+    for prompt_rows, expected in ((0, 1), (300, 0)):
+        policy = AdaptiveWidth(max_width=1, probe_every=1000)
+        run(policy, 10, batch=8, times=times, accepted=accepted)
+        assert policy.buckets[8].width == 1
+        for _ in range(10):
+            policy.observe_context(8, 108, 0.008)  # a prompt step: more rows than 8 sequences decode at width 1
+            policy.observe_context(8, 13, 0.002)
+            policy.count_rows(prompt_rows, 100)
+        assert list(policy.context_long) == [(108, 0.008)] * 10 and len(policy.context_short) == 10
+        per_row = 0.006 / 95  # the slope between the two kinds of step, not 8 ms / 108 rows
+        assert policy.context_seconds_per_row() == pytest.approx(per_row)
+        assert policy.step_times(8)[1] == pytest.approx(0.0145 + 8 * 1.625 * prompt_rows / 100 * per_row)
+        assert policy.step_times(8)[0] == pytest.approx(0.010)  # width 0 leaves prompts to the draft: no charge
+        run(policy, 5, batch=8, times=times, accepted=accepted)
+        assert policy.buckets[8].width == expected, prompt_rows
+
+
+def test_probes_away_from_width_0_back_off_on_any_loss():
+    """Width 1 5% behind width 0: a probe away from width 0 (which runs the draft over every sequence's paused
+    positions first) doubles the wait even so, while a neighbour 5% behind a drafting width is probed every period
+    (the test above with CLOSE)."""
+    from eyas.engine.adaptive_width import MAX_BACKOFF
+
+    near = {0: 0.010, 1: 0.0189, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 18.9 ms, 0.95x width 0's rate
+    policy = AdaptiveWidth(max_width=3, probe_every=64)
+    widths = run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=near)
+    starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [32, 64, 128, 128] and all(g == 16 * MAX_BACKOFF for g in gaps[3:]), starts
+
+
+def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width():
+    """Bucket 4 timed every width and chose width 0: bucket 8, new, tries width 0 only (a neighbour is probed
+    later), not the widest first. While bucket 4 is still trying widths, a new bucket 8 tries all of them."""
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
+    policy = AdaptiveWidth(max_width=3, probe_every=1000)
+    run(policy, 12, batch=4, times=slow)
+    assert policy.buckets[4].width == 0
+    assert run(policy, 8, batch=8, times=slow) == [0] * 8
+    fresh = AdaptiveWidth(max_width=3, probe_every=1000)
+    run(fresh, 2, batch=4, times=slow)  # widths 3 and 2 tried so far
+    assert run(fresh, 3, batch=8, times=slow) == [3, 2, 1]
+
+
+def test_a_new_bucket_waits_for_its_first_probe_as_long_as_the_settled_one_below():
+    """Bucket 1 settled on width 0 and its probes of width 1 backed off to MAX_BACKOFF periods: bucket 2's first
+    probe (a probe away from width 0 runs the draft over every sequence's pause) comes that late too, not after one
+    period."""
+    from eyas.engine.adaptive_width import MAX_BACKOFF
+
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
+    policy = AdaptiveWidth(max_width=3, probe_every=64)
+    run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=slow)
+    assert policy.buckets[1].backoff == MAX_BACKOFF
+    widths = run(policy, 16 * MAX_BACKOFF + 8, batch=2, times=slow)  # bucket 2 probes every 16 steps at most
+    first_probe = 16 * MAX_BACKOFF - 2  # the bucket's call number (from 1) the probe starts at
+    assert widths[:first_probe - 1] == [0] * (first_probe - 1) and widths[first_probe - 1] == 1, widths
+
+
+def test_a_tilted_line_does_not_extrapolate_a_wider_width_as_cheaper():
+    """Width 1's steps slower than width 2's (a slow spell): the least-squares line falls, which would make the
+    untimed width 3 the cheapest and the widest choice on no evidence; the line from width 0 to the drafting widths'
+    mean is used instead."""
+    policy = AdaptiveWidth(max_width=3, probe_every=1000)
+    for w, t in ((0, 0.010), (1, 0.030), (2, 0.020)):
+        policy.observe(4, w, t, [(w, w)] * 4)
+    # mean of widths 1 and 2: 25 ms at 1.5; from 10 ms at width 0: 10 ms per width (widths 1 and 2, one step each,
+    # read off it too), 40 ms at width 3
+    assert policy.step_times(4) == pytest.approx([0.010, 0.020, 0.030, 0.040])
+    assert policy.buckets[4].width != 3

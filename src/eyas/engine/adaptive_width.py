@@ -18,16 +18,32 @@ with the compiled step at one sequence 3.1 ms against 8.5, 8.1 and 8.4 at widths
 median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
-when every sequence verified and proposed that width); a new best replaces the current width only when it beats it
+when every sequence verified and proposed that width); a new bucket above a smaller one that has timed its widths
+tries only those up to the smaller one's width (the best width does not grow with the batch: each sequence's verify
+rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width to
+learn what the smaller ones already showed, and it waits as long before its first probe as the smaller one had come
+to wait (below); a new best replaces the current width only when it beats it
 by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
 width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
 narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
 difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
-current one doubles the wait before the next (up to MAX_BACKOFF times): a probe away from width 0 also runs the
-draft over every position computed since the last (its context must have no hole), which at one sequence cost 6% of
-the run when speculation did not pay; one that finds its width close brings the wait back to probe_every. The width
+current one doubles the wait before the next (up to MAX_BACKOFF times); a probe away from width 0 does on any loss:
+it also runs the draft over every position every sequence computed since the last (its context must have no hole),
+which at one sequence cost 6% of the run when speculation did not pay. One that finds its width close (or ahead)
+brings the wait back to probe_every. The width
 changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
 in distribution).
+
+Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
+draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
+width 0 leaves a prompt's positions to the draft only if the sequence drafts again before it ends. On a server,
+where each finished request's place is taken by a new prompt, that work is paid in the steps that prefill the
+prompts, which the step times above never see (8 sequences of 64 tokens on the bundled models, eval prompts: the
+propose phase of a prompt step took 8.4 ms at width 1 against 0.2 at width 0, on a decode step of 14 ms). So a
+width w >= 1 also pays, per step of the bucket, its share of that work: the prompt rows per committed token (decayed
+sums over the last ~CONTEXT_MEMORY steps of every bucket: it is the traffic's, not the batch's), times the tokens
+such a step commits, times the draft's seconds per context row (the slope of the context work's time against its
+rows, between recent steps with prompt rows and recent steps without).
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
 per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
@@ -43,6 +59,8 @@ from dataclasses import dataclass, field
 MAX_TRIES = 4  # steps a width is tried while untimed; then the line through the timed widths speaks for it
 BACKOFF_LOSS = 0.1  # a probed width this far behind the current one (tokens per second) makes probes rarer
 MAX_BACKOFF = 8  # probes at most this many times rarer than probe_every
+CONTEXT_MEMORY = 256  # steps over which prompt rows per committed token are counted (decayed sums)
+CONTEXT_SAMPLES = 32  # recent timings of the draft's context work kept, with and without prompt rows each
 
 
 def bucket_of(batch_size: int) -> int:
@@ -58,6 +76,7 @@ class _Bucket:
     tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the step
     # before chose the same width and no sequence was cut short, so tries are bounded, not repeated until one counts)
     width: int
+    widest: int  # the widest width tried while untimed (a settled smaller bucket's width, else max_width)
     calls: int = 0  # widths chosen so far
     next_probe: int = 0  # the call that starts the next probe (0: not scheduled yet)
     probes: int = 0  # probes so far (even: the wider neighbour, odd: the narrower)
@@ -79,6 +98,12 @@ class AdaptiveWidth:
     window: int = 16
     min_samples: int = 4
     buckets: dict[int, _Bucket] = field(default_factory=dict)
+    # (rows, seconds) of the draft's context work in recent steps: steps with more rows than their decode rows
+    # (prompt rows, or the positions of a pause), and steps of decode rows only
+    context_long: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CONTEXT_SAMPLES))
+    context_short: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=CONTEXT_SAMPLES))
+    prompt_rows: float = 0.0  # decayed sums: prompt rows scheduled, and tokens committed by decoding sequences
+    committed: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_width < 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 or self.probe_every < 2 \
@@ -89,20 +114,31 @@ class AdaptiveWidth:
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self.buckets:
+            below = max((k for k in self.buckets if k < key), default=None)
+            settled = below is not None and self._untimed(self.buckets[below]) is None
+            widest = self.buckets[below].width if settled else self.max_width
             self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(self.max_width + 1)],
                                         [None] * self.max_width, [0] * self.max_width,
-                                        [0] * (self.max_width + 1), self.max_width)
+                                        [0] * (self.max_width + 1), widest, widest,
+                                        backoff=self.buckets[below].backoff if settled else 1)
         return self.buckets[key]
+
+    def _untimed(self, bucket: _Bucket) -> int | None:
+        """The width to try next while some width up to `bucket.widest` has no timed step (None: all were)."""
+        for w in range(bucket.widest, -1, -1):
+            wanted = self.min_samples if w == 0 else 1  # width 0 is never read off the line
+            if len(bucket.samples[w]) < wanted and bucket.tries[w] < MAX_TRIES + wanted - 1:
+                return w
+        return None
 
     def width(self, batch_size: int) -> int:
         """The width the next step of a batch of `batch_size` sequences should verify."""
         bucket = self._bucket(batch_size)
         bucket.calls += 1
-        for w in range(self.max_width, -1, -1):
-            wanted = self.min_samples if w == 0 else 1  # width 0 is never read off the line
-            if len(bucket.samples[w]) < wanted and bucket.tries[w] < MAX_TRIES + wanted - 1:
-                bucket.tries[w] += 1
-                return w
+        untimed = self._untimed(bucket)
+        if untimed is not None:
+            bucket.tries[untimed] += 1
+            return untimed
         # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
@@ -111,8 +147,8 @@ class AdaptiveWidth:
             self._back_off(batch_size, bucket)
             bucket.next_probe += every * bucket.backoff
         if bucket.next_probe == 0:
-            bucket.next_probe = (bucket.calls // every + 1) * every - 2 if bucket.calls % every < every - 2 \
-                else bucket.calls
+            bucket.next_probe = (bucket.calls // every + bucket.backoff) * every - 2 \
+                if bucket.calls % every < every - 2 else bucket.calls
         if bucket.next_probe <= bucket.calls <= bucket.next_probe + 1:
             wider = bucket.probes % 2 == 0
             width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
@@ -129,27 +165,69 @@ class AdaptiveWidth:
         probe's step before it moves the median)."""
         scores, width = self._scores(batch_size), bucket.probed
         samples = bucket.samples[width]
-        latest = _tokens_per_step(bucket, width) / max(samples[-1], 1e-9) if samples else None
+        latest = _tokens_per_step(bucket, width) / max(samples[-1] + self._context_seconds(batch_size, width), 1e-9) \
+            if samples else None
         current = scores[bucket.width]
-        far = current is not None and all(score is not None and score < current * (1 - BACKOFF_LOSS)
+        # a probe away from width 0 first runs the draft over every position of the pause, of every sequence: it
+        # backs off on any loss
+        loss = BACKOFF_LOSS if bucket.width > 0 else 0.0
+        far = current is not None and all(score is not None and score < current * (1 - loss)
                                           for score in (scores[width], latest))
         bucket.backoff = min(2 * bucket.backoff, MAX_BACKOFF) if far else 1
         bucket.probed = None
 
+    def observe_context(self, batch_size: int, rows: int, seconds: float) -> None:
+        """The draft's context work in a step of `batch_size` sequences ran over `rows` positions in `seconds`."""
+        decode_rows = batch_size * (1 + self.max_width)  # the most a step without prompt rows gives the draft
+        (self.context_long if rows > decode_rows else self.context_short).append((rows, seconds))
+
+    def count_rows(self, prompt_rows: int, committed: int) -> None:
+        """A step scheduled `prompt_rows` prompt positions and committed `committed` tokens of decoding sequences."""
+        keep = 1 - 1 / CONTEXT_MEMORY
+        self.prompt_rows = self.prompt_rows * keep + prompt_rows
+        self.committed = self.committed * keep + committed
+
+    def context_seconds_per_row(self) -> float:
+        """The draft's seconds per context row: the slope between the medians of recent steps with prompt rows and
+        of steps without (the first has a fixed part the second shows); 0 before any step with prompt rows."""
+        if not self.context_long:
+            return 0.0
+        rows_long = statistics.median(r for r, _ in self.context_long)
+        seconds_long = statistics.median(t for _, t in self.context_long)
+        if not self.context_short:
+            return seconds_long / rows_long
+        rows_short = statistics.median(r for r, _ in self.context_short)
+        seconds_short = statistics.median(t for _, t in self.context_short)
+        return max(0.0, min(seconds_long / rows_long, (seconds_long - seconds_short) / (rows_long - rows_short)))
+
+    def _context_seconds(self, batch_size: int, width: int) -> float:
+        """A step's share of the draft's work on prompt positions at `width` (0 at width 0), scaled as its time."""
+        if width == 0 or self.committed <= 0:
+            return 0.0
+        tokens = bucket_of(batch_size) * _tokens_per_step(self._bucket(batch_size), width)
+        return tokens * self.prompt_rows / self.committed * self.context_seconds_per_row()
+
     def step_times(self, batch_size: int) -> list[float | None]:
-        """The seconds per step the choice is made on, at each width (None before any width is timed)."""
+        """The seconds per step the choice is made on, at each width (None before any width is timed), the draft's
+        work on prompt positions included."""
         samples = self._bucket(batch_size).samples
         medians = [statistics.median(s) if s else None for s in samples]
         timed = [w for w, m in enumerate(medians) if m is not None and w > 0]
         if len(timed) < 2:  # no line through the drafting widths yet: width 0 may anchor it
             timed = [w for w, m in enumerate(medians) if m is not None]
-        if len(timed) < 2:
-            return medians
-        mean_w, mean_t = statistics.fmean(timed), statistics.fmean(medians[w] for w in timed)
-        spread = sum((w - mean_w) ** 2 for w in timed)
-        slope = sum((w - mean_w) * (medians[w] - mean_t) for w in timed) / spread
-        return [medians[w] if len(samples[w]) >= self.min_samples or (w == 0 and samples[w])
-                else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
+        if len(timed) >= 2:
+            mean_w, mean_t = statistics.fmean(timed), statistics.fmean(medians[w] for w in timed)
+            spread = sum((w - mean_w) ** 2 for w in timed)
+            slope = sum((w - mean_w) * (medians[w] - mean_t) for w in timed) / spread
+            if slope <= 0 < mean_w and medians[0] is not None and mean_t > medians[0]:
+                # noise (a slow spell in the narrower width's steps) tilted the line: a wider step is never cheaper,
+                # and extrapolating down would pick the widest width on no evidence. The line from width 0 to the
+                # drafting widths' mean instead (steeper than the true one: it errs to the narrower widths)
+                slope = (mean_t - medians[0]) / mean_w
+            slope = max(slope, 0.0)
+            medians = [medians[w] if len(samples[w]) >= self.min_samples or (w == 0 and samples[w])
+                       else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
+        return [m if m is None else m + self._context_seconds(batch_size, w) for w, m in enumerate(medians)]
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
         """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""

@@ -103,7 +103,9 @@ class BlockProposer(Proposer):
 
         # context: positions num_draft_computed..num_computed - 1 of every sequence into the draft's cache
         caught_up = any(s.pending_draft_inputs for s in seqs)
-        self._write_context(seqs, per_seq, num_computed)
+        start = self._clock()
+        rows = self._write_context(seqs, per_seq, num_computed)
+        context = (rows, self._clock() - start)
 
         # budgets: the width, cut by max_tokens, the context length and the slots (sampling sequences only)
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -127,11 +129,11 @@ class BlockProposer(Proposer):
                 self._next_drafts(None, active, seqs, drafts, budgets, logits=logits[at, k] if constrained else None,
                                   tokens=None if constrained else greedy[at, k])
         self._rollback_grammars(seqs, grammar_steps, drafts)
-        return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
+        return Proposal(drafts, num_computed, [None] * len(seqs), caught_up, context)
 
-    def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int]) -> None:
+    def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int]) -> int:
         """Cache entries of positions num_draft_computed..num_computed - 1 of each sequence: its pending target
-        states, then this step's kept rows, one per position, fused."""
+        states, then this step's kept rows, one per position, fused. Returns how many positions."""
         inputs, starts = [], []
         for seq, x in zip(seqs, per_seq):
             inputs.extend(seq.pending_draft_inputs)
@@ -141,6 +143,7 @@ class BlockProposer(Proposer):
         fused = self._fused(torch.cat(inputs) if len(inputs) > 1 else inputs[0])  # [positions, H]
         assert fused.shape[0] == positions.shape[0], "one fused input per new context position"
         self.draft_cache.index_copy_(0, slots, self.draft.cache_entries(fused, positions).to(self.draft_cache.dtype))
+        return positions.shape[0]
 
     def _block(self, seqs: list[Sequence], active: list[int], anchors: list[int], ends: list[int]) -> torch.Tensor:
         """The blocks of the `active` sequences, anchored at positions `ends` (each one's num_computed) over its

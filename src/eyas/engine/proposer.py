@@ -19,6 +19,7 @@ over the tokens its grammar allows; its matcher is advanced while drafting and r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -67,6 +68,7 @@ class Proposal:
     num_draft_computed: list[int]
     pending_draft_inputs: list[torch.Tensor | None]
     caught_up: bool  # step 0 also ran positions from a pause
+    context: tuple[int, float] | None = None  # the draft's context work: (positions it ran over, seconds)
 
 
 class Proposer:
@@ -103,7 +105,15 @@ class Proposer:
         width it also proposed at (each computed its committed token and its drafts; a step with prompt chunks costs
         what its prompts cost, one that changes width pays for two, and one that caught up after a pause for what
         the pause left)."""
-        if self.adaptive is None or self.config.width_override(batch.num_running) is not None or proposal.caught_up:
+        if self.adaptive is None or self.config.width_override(batch.num_running) is not None:
+            return
+        # what drafting costs outside the decode steps: the draft's work on prompt positions (adaptive_width.py)
+        if proposal.context is not None:
+            self.adaptive.observe_context(batch.num_running, *proposal.context)
+        decoding = [(n, a) for n, v, a in zip(batch.num_new_tokens, num_verified, num_accepted) if n == 1 + v]
+        self.adaptive.count_rows(sum(batch.num_new_tokens) - sum(n for n, _ in decoding),
+                                 sum(1 + a for _, a in decoding))
+        if proposal.caught_up:
             return
         if set(num_verified) != {width} or any(n != 1 + d for n, d in zip(batch.num_new_tokens, num_verified)):
             return
@@ -128,10 +138,12 @@ class Proposer:
             next_tokens.extend((seq.token_ids + new)[seq.num_draft_computed + 1:end + 1])
             lens.append(end - seq.num_draft_computed)
         caught_up = any(s.pending_draft_inputs for s in seqs)
+        start = self._clock()
         attn = AttentionMetadata.build(lens, num_computed, [s.block_table for s in seqs], self.block_size,
                                        self.device, lanes=self.lanes)
         prenorm = self.draft(self._fused(torch.cat(inputs) if len(inputs) > 1 else inputs[0]),
                              torch.tensor(next_tokens, device=self.device), attn, self.draft_cache)
+        context = (len(next_tokens), self._clock() - start)
         last_rows = torch.tensor(lens).cumsum(0) - 1
 
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -153,7 +165,14 @@ class Proposer:
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
             tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
         self._rollback_grammars(seqs, grammar_steps, drafts)
-        return Proposal(drafts, num_computed, [None] * len(seqs), caught_up)
+        return Proposal(drafts, num_computed, [None] * len(seqs), caught_up, context)
+
+    def _clock(self) -> float:
+        """perf_counter once the device has run what was queued (the adaptive width times the draft's context
+        work); only with an adaptive width, which is the only reader."""
+        if self.adaptive is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @staticmethod
     def _kept_states(layout: VerifyLayout, hidden: torch.Tensor, aux: list[torch.Tensor],
