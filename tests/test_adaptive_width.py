@@ -211,19 +211,34 @@ def test_small_batches_probe_more_often():
 
 
 def test_probes_back_off_while_the_neighbour_is_far_behind():
-    """Width 0 best and width 1 30% behind (a probe of width 1 also runs the draft over the positions since the
-    last): each probe doubles the wait before the next, up to MAX_BACKOFF probe periods; once width 1 comes within
-    BACKOFF_LOSS, probes are every period again."""
+    """Width 2 best, widths 1 and 3 more than BACKOFF_LOSS behind: each probe doubles the wait before the next, up to
+    MAX_BACKOFF probe periods."""
+    from eyas.engine.adaptive_width import MAX_BACKOFF
+
+    far = {0: 0.010, 1: 0.015, 2: 0.018, 3: 0.021}  # q = 0.6, 0.6, 0: w1 1.6 / 15 ms, w2 2.2 / 18, w3 2.2 / 21
+    policy = AdaptiveWidth(max_width=3)
+    widths = run(policy, 8 + 64 * (1 + 2 + 4 + 8 + 8 + 8), times=far, accepted=[2, 2, 2, 0, 0])  # 5 sequences:
+    # bucket 8, a period of 64
+    starts = [i for i in range(8, len(widths)) if widths[i] != 2 and widths[i - 1] == 2]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:3] == [128, 256, 512] and all(g == 64 * MAX_BACKOFF for g in gaps[2:]), starts
+
+
+def test_probes_away_from_width_0_back_off_4x_and_come_back_once_close():
+    """Width 0 best and width 1 30% behind (a probe of width 1 also runs the draft over every sequence's positions
+    since the last): each probe makes the wait 4x longer, up to 4 MAX_BACKOFF probe periods; once width 1 comes close,
+    probes are every period again."""
     from eyas.engine.adaptive_width import MAX_BACKOFF
 
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 25.7 ms, 0.7x width 0's rate
     policy = AdaptiveWidth(max_width=3, probe_every=64)
-    widths = run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=slow)
+    most = 4 * MAX_BACKOFF
+    widths = run(policy, 8 + 16 * (1 + 4 + 16 + most + most), batch=1, times=slow)
     starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert gaps[:4] == [32, 64, 128, 128] and all(g == 16 * MAX_BACKOFF for g in gaps[3:]), starts
+    assert gaps[:2] == [64, 256] and all(g == 16 * most for g in gaps[2:]) and len(gaps) >= 3, starts
     close = {**slow, 1: 0.0165}  # 1.8 / 16.5 ms: now ahead of width 0 by 9%, past the margin
-    widths = run(policy, 16 * MAX_BACKOFF + 16 * 10, batch=1, times=close)
+    widths = run(policy, 16 * most + 16 * 10, batch=1, times=close)
     starts = [i for i in range(1, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     assert [b - a for a, b in zip(starts, starts[1:])][:3] == [16, 16, 16], starts  # the first probe saw it close
     assert policy.buckets[1].width == 1  # ... and once half the window of width 1's steps is new, it is taken
@@ -253,17 +268,15 @@ def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths()
 
 
 def test_probes_away_from_width_0_back_off_on_any_loss():
-    """Width 1 5% behind width 0: a probe away from width 0 (which runs the draft over every sequence's paused
-    positions first) doubles the wait even so, while a neighbour 5% behind a drafting width is probed every period
-    (the test above with CLOSE)."""
+    """Width 1 5% behind width 0: a probe away from width 0 lengthens the wait even so, while a neighbour 5% behind a
+    drafting width is probed every period (test_neighbours_are_probed_in_turn... with CLOSE)."""
     from eyas.engine.adaptive_width import MAX_BACKOFF
 
     near = {0: 0.010, 1: 0.0189, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 18.9 ms, 0.95x width 0's rate
     policy = AdaptiveWidth(max_width=3, probe_every=64)
-    widths = run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=near)
+    widths = run(policy, 8 + 16 * (1 + 4 + 16 + 4 * MAX_BACKOFF), batch=1, times=near)
     starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert gaps[:4] == [32, 64, 128, 128] and all(g == 16 * MAX_BACKOFF for g in gaps[3:]), starts
+    assert [b - a for a, b in zip(starts, starts[1:])] == [64, 256, 512], starts
 
 
 def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width():
@@ -280,17 +293,17 @@ def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width(
 
 
 def test_a_new_bucket_waits_for_its_first_probe_as_long_as_the_settled_one_below():
-    """Bucket 1 settled on width 0 and its probes of width 1 backed off to MAX_BACKOFF periods: bucket 2's first
+    """Bucket 1 settled on width 0 and its probes of width 1 backed off to 4 MAX_BACKOFF periods: bucket 2's first
     probe (a probe away from width 0 runs the draft over every sequence's pause) comes that late too, not after one
     period."""
     from eyas.engine.adaptive_width import MAX_BACKOFF
 
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
     policy = AdaptiveWidth(max_width=3, probe_every=64)
-    run(policy, 8 + 16 * (1 + 2 + 4 + 8 + 8), batch=1, times=slow)
-    assert policy.buckets[1].backoff == MAX_BACKOFF
-    widths = run(policy, 16 * MAX_BACKOFF + 8, batch=2, times=slow)  # bucket 2 probes every 16 steps at most
-    first_probe = 16 * MAX_BACKOFF - 2  # the bucket's call number (from 1) the probe starts at
+    run(policy, 8 + 16 * (1 + 4 + 16 + 32 + 32), batch=1, times=slow)
+    assert policy.buckets[1].backoff == 4 * MAX_BACKOFF
+    widths = run(policy, 16 * 4 * MAX_BACKOFF + 8, batch=2, times=slow)  # bucket 2 probes every 16 steps at most
+    first_probe = 16 * 4 * MAX_BACKOFF - 2  # the bucket's call number (from 1) the probe starts at
     assert widths[:first_probe - 1] == [0] * (first_probe - 1) and widths[first_probe - 1] == 1, widths
 
 
