@@ -318,13 +318,3 @@ def test_a_tilted_line_does_not_extrapolate_a_wider_width_as_cheaper():
     # read off it too), 40 ms at width 3
     assert policy.step_times(4) == pytest.approx([0.010, 0.020, 0.030, 0.040])
     assert policy.buckets[4].width != 3
-
-
-def test_a_probe_away_from_width_0_runs_the_drafting_width_the_estimates_favour():
-    """Width 0 best, width 3 3% behind it, width 1 31% behind (a draft step's fixed cost): probes run width 3, whose
-    steps keep the acceptance of positions 2 and 3 fresh, not width 1, behind which width 3 would stay unseen."""
-    times = {0: 0.010, 1: 0.026, 2: 0.0305, 3: 0.035}  # q = 0.8 each: w1 1.8 / 26 ms, w2 2.6 / 30.5, w3 3.4 / 35
-    policy = AdaptiveWidth(max_width=3, probe_every=16)
-    widths = run(policy, 8 + 16 * 6, times=times, accepted=[3, 3, 3, 3, 0])
-    assert widths[:7] == [3, 2, 1, 0, 0, 0, 0] and policy.buckets[8].width == 0
-    assert set(widths[7:]) == {0, 3} and widths[7:].count(3) >= 2, widths

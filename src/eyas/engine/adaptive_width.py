@@ -22,11 +22,11 @@ when every sequence verified and proposed that width); a new bucket above a smal
 tries only those up to the smaller one's width (the best width does not grow with the batch: each sequence's verify
 rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width to
 learn what the smaller ones already showed, and it waits as long before its first probe as the smaller one had come
-to wait (below); a new best replaces the current width only when it beats it by `margin`; every `probe_every`
-steps (down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
-proposes its drafts, the second verifies them and is timed), the wider and the narrower in turn (from width 0: the
-drafting width the estimates favour), so the line and the acceptance of the next position stay fresh at the cost of
-two steps' difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
+to wait (below); a new best replaces the current width only when it beats it
+by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
+width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
+narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
+difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
 current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it
 also runs the draft over every position every sequence computed since the last (its context must have no hole), at
 one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at one probe in 128 steps was
@@ -82,7 +82,6 @@ class _Bucket:
     next_probe: int = 0  # the call that starts the next probe (0: not scheduled yet)
     probes: int = 0  # probes so far (even: the wider neighbour, odd: the narrower)
     probed: int | None = None  # the width of the probe that ran last, until its outcome sets the backoff
-    probing: int | None = None  # the width of the probe under way (chosen at its first step)
     backoff: int = 1  # the wait between probes, in probe periods
 
 
@@ -153,24 +152,14 @@ class AdaptiveWidth:
             bucket.next_probe = (bucket.calls // every + bucket.backoff) * every - 2 \
                 if bucket.calls % every < every - 2 else bucket.calls
         if bucket.next_probe <= bucket.calls <= bucket.next_probe + 1:
-            if bucket.calls == bucket.next_probe or bucket.probing is None:
-                bucket.probing = self._probe_width(batch_size, bucket)
-            width = bucket.probing
+            wider = bucket.probes % 2 == 0
+            width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
+                else bucket.width - 1
             if bucket.calls == bucket.next_probe + 1:
                 bucket.probes += 1
-                bucket.probed, bucket.probing = width, None
+                bucket.probed = width
             return width
         return bucket.width
-
-    def _probe_width(self, batch_size: int, bucket: _Bucket) -> int:
-        """The width a probe runs: the wider and the narrower neighbour in turn; from width 0, the drafting width
-        the estimates favour (each pays the same pass over the pause, and a step's fixed draft cost can put width 1
-        behind width 0 where width 3 is ahead: a neighbour alone would never see it)."""
-        if bucket.width == 0:
-            scores = self._scores(batch_size)
-            return max(range(1, self.max_width + 1), key=lambda w: -1.0 if scores[w] is None else scores[w])
-        wider = bucket.probes % 2 == 0
-        return bucket.width + 1 if wider and bucket.width < self.max_width else bucket.width - 1
 
     def _back_off(self, batch_size: int, bucket: _Bucket) -> None:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
