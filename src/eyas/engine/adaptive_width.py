@@ -22,18 +22,17 @@ when every sequence verified and proposed that width); a new bucket above a smal
 tries only those up to the smaller one's width (the best width does not grow with the batch: each sequence's verify
 rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width to
 learn what the smaller ones already showed, and it waits as long before its first probe as the smaller one had come
-to wait (below); a new best replaces the current width only when it beats it
-by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current
-width runs for two steps (the first proposes its drafts, the second verifies them and is timed), the wider and the
-narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
-difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
-current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it
-also runs the draft over every position every sequence computed since the last (its context must have no hole), at
-one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at one probe in 128 steps was
-4% of the run; so on any loss it makes the wait 4x longer, up to 4 MAX_BACKOFF periods (1% there). One that finds
-its width close (or ahead) brings the wait back to probe_every. The width
-changes only how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling:
-in distribution).
+to wait (below); a new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
+(down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
+proposes its drafts, the second verifies them and is timed), the wider and the narrower in turn, so the line and the
+acceptance of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. A
+probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the next (up to
+MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position every sequence
+computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms against 7 for
+two steps at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer,
+up to 4 MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait back to
+probe_every. The width changes only how many drafts are verified: outputs are the same at every width (greedy: token
+for token; sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
