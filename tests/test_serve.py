@@ -445,7 +445,7 @@ def test_concurrent_streams_with_disconnects(checkpoint):
                     return  # leaving the block closes the connection mid-stream
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
-        assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+        assert all(c.get("object") == "text_completion" and len(c["choices"]) == 1 for c in chunks), chunks
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == body["max_tokens"]
         assert len(set(c["id"] for c in chunks)) == 1
