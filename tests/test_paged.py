@@ -520,3 +520,17 @@ def test_a_damaged_kernel_library_falls_back_with_a_warning(tmp_path, monkeypatc
             assert latent_kernel._library() is None
     finally:
         latent_kernel._library.cache_clear()
+
+
+def test_padded_short_rows_beside_a_prompt_chunk_read_no_unset_memory(model, monkeypatch):
+    """A prompt chunk first in the flat batch, then short rows of unequal lengths, padded together: the padding's
+    queries must not come from memory the step never set (a NaN there made the latent kernel refuse the step, 'a
+    query row sees no position', now and then under a server's load). Fresh buffers hold NaN here to make it sure."""
+    from eyas.models.attention import SHORT_QUERY
+
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(float("nan")))
+    torch.manual_seed(2)
+    worst, groups = run_steps(model, ([SHORT_QUERY + 9, 1, 3], [1, 1, 1]))
+    assert groups[0] == [3, SHORT_QUERY + 9]  # the short rows padded to 3 in one group, the chunk alone
+    assert worst < 1e-4, worst
