@@ -208,7 +208,9 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
     max_q, max_s = max(query_lens[b] for b in members), max(seq_lens[b] for b in members)
     offsets = torch.arange(max_q)
     query_valid = offsets < q_lens[:, None]  # [batch_rows, max_q]
-    query_rows = torch.where(query_valid, first[:, None] + offsets, 0)
+    # padded query rows read a row of the group's own (one its caller computes: a caller that fills only some
+    # groups' rows, as MLA's absorbed attention beside prompt chunks does, never feeds unset memory to the kernel)
+    query_rows = torch.where(query_valid, first[:, None] + offsets, starts[members[0]])
     q_pos = (s_lens - q_lens)[:, None] + offsets  # [batch_rows, max_q]
     key_pos = torch.arange(max_s)
     # causal, from the sequence's kv start; this also hides the padding past seq_lens[b]

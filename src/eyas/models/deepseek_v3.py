@@ -146,9 +146,7 @@ class MLAttention(nn.Module):
         w_uk = self.w_uk if self.w_uk is not None else self._absorbed()[0]
         q_latent = torch.matmul(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [rows, heads, kv_lora_rank]
         q = torch.cat([q_latent, q_rope[rows]], dim=-1).to(latent_cache.dtype)
-        # zeros, not empty: the groups' padded query rows read flat row 0, which may be a prompt chunk's row that
-        # this call never sets (garbage, sometimes NaN, which the latent kernel refuses as a row that sees nothing)
-        full = q.new_zeros(attn.num_tokens, *q.shape[1:])
+        full = q.new_empty(attn.num_tokens, *q.shape[1:])  # the groups' rows only: their padding reads them too
         full[rows] = q
         out_latent = paged_latent_attention(full, latent_cache, attn, self.kv_lora_rank, self.scale, groups)[rows]
         w_uv_t = self.w_uv_t if self.w_uv_t is not None else self._absorbed()[1]

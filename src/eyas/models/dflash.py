@@ -35,7 +35,13 @@ from torch import nn
 
 from eyas.config import ConfigError, DeepseekV3Config, RopeConfig, read_config_json
 from eyas.models.deepseek_v3 import MLAttention
-from eyas.models.eagle3 import fill_vocab_maps, register_vocab_maps, target_ids_of, to_target_vocab
+from eyas.models.eagle3 import (
+    fill_vocab_maps,
+    register_vocab_maps,
+    target_ids_of,
+    to_target_ids,
+    to_target_vocab,
+)
 from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope
 from eyas.models.rows_matmul import linear_rows
 
@@ -532,7 +538,7 @@ class DFlashDraft(nn.Module):
         """The draft's proposals as target ids: argmax over its own vocabulary, mapped through d2t (the head's
         matmul over draft_vocab_size rows only)."""
         draft_ids = self.draft_logits(hidden).argmax(-1)
-        return draft_ids + self.d2t[draft_ids] if self.config.compressed_vocab else draft_ids
+        return to_target_ids(draft_ids, self.d2t) if self.config.compressed_vocab else draft_ids
 
     def draft_ids_of(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> draft ids, -1 where the draft vocabulary lacks the token (identity when not

@@ -401,6 +401,11 @@ def fill_vocab_maps(draft: nn.Module, d2t: torch.Tensor | None) -> torch.Tensor:
     return rows
 
 
+def to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Draft ids -> the target's ids."""
+    return draft_ids + d2t[draft_ids]
+
+
 def to_target_vocab(logits: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits over a draft vocabulary [..., draft_vocab] -> over the target's [..., vocab], -inf at the ids outside
     it."""
@@ -487,7 +492,7 @@ class Eagle3Draft(nn.Module):
     def greedy_tokens(self, prenorm: torch.Tensor) -> torch.Tensor:
         """The draft's proposals as target ids: argmax in the draft vocabulary, mapped through d2t."""
         draft_ids = self.draft_logits(prenorm).argmax(-1)
-        return draft_ids + self.d2t[draft_ids] if self.config.compressed_vocab else draft_ids
+        return to_target_ids(draft_ids, self.d2t) if self.config.compressed_vocab else draft_ids
 
     def cache_entry_shape(self) -> tuple[int, ...]:
         """Per-token shape of the draft's one-layer paged cache."""
