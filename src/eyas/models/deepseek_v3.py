@@ -254,7 +254,7 @@ class MoE(nn.Module):
         # both paths add expert outputs in ascending expert order: the summation order does not depend on the path
         # (the last bits still can: CPU matmuls round differently for different row counts)
         if torch.compiler.is_compiling() and self.stacked_gate_up is not None:
-            # a compiled step (at most FEW_TOKENS rows; the experts a row chose are known only when it runs)
+            # a compiled step (at most compiled_step.MAX_ROWS rows; the experts a row chose are known only when it runs)
             out = self._chosen_experts(x, expert_ids, weights)
         elif x.shape[0] <= FEW_TOKENS:
             out = self._few_tokens(x, expert_ids, weights)
