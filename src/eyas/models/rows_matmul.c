@@ -46,17 +46,26 @@ static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 DEFINE_BLOCK(1, 8)
 DEFINE_BLOCK(2, 8)
+DEFINE_BLOCK(4, 4)
+DEFINE_BLOCK(8, 2)
 DEFINE_BLOCK(1, 1)
 
 /* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. Each block of 8 * LANES columns is read
-   from memory once, by its first pair of rows, as one row reads it (8 * LANES floats of each of the K rows of w);
-   the other pairs of rows read it from L2 (K x 8 * LANES floats, 96 KB at K = 192). Blocks of fewer columns per
-   row, for more rows at a time, read w in runs too short for the hardware to fetch ahead: 4 rows took 1.9 times
-   one row's time on a cold 8192 x 192 head. */
+   from memory once, by the first one or two rows, as one row reads it (8 * LANES floats of each of the K rows of w:
+   runs long enough for the hardware to fetch ahead; blocks of 2 or 4 registers per row read them too short to, and
+   4 rows took 1.9 times one row's time on an evicted 8192 x 192 head). The other rows then take the block, 96 KB at
+   K = 192, from the caches, 8 rows at a time over a quarter of its columns (24 KB, in L1), each weight register
+   used by 8 rows. */
 int rows_matmul_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
     int64_t n0 = 0;
     for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {
-        int64_t r0 = 0;
+        int64_t r0 = M >= 2 ? 2 : M;
+        if (M >= 2) block_2_8(x, K, w, N, 2, n0, out);
+        else if (M == 1) block_1_8(x, K, w, N, 1, n0, out);
+        for (; r0 + 8 <= M; r0 += 8)
+            for (int64_t c = 0; c < 8 * LANES; c += 2 * LANES) block_8_2(x + r0 * K, K, w, N, 8, n0 + c, out + r0 * N);
+        for (; r0 + 4 <= M; r0 += 4)
+            for (int64_t c = 0; c < 8 * LANES; c += 4 * LANES) block_4_4(x + r0 * K, K, w, N, 4, n0 + c, out + r0 * N);
         for (; r0 + 2 <= M; r0 += 2) block_2_8(x + r0 * K, K, w, N, 2, n0, out + r0 * N);
         if (r0 < M) block_1_8(x + r0 * K, K, w, N, 1, n0, out + r0 * N);
     }
