@@ -114,6 +114,18 @@ def test_kernels_are_loaded_from_disk_the_second_time(models, monkeypatch):
     assert sorted(compiled_step.cache_dir().glob("*.pt2")) == cached
 
 
+def test_loaded_kernels_leave_nothing_unpacked_while_the_engine_runs(models, tmp_path, monkeypatch):
+    """AOTInductor unpacks each package under $TMPDIR and removes it only when its loader is destroyed, which a
+    server stopped by a signal never reaches: nothing may stay there once the kernels are loaded."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    llm = LLM(models[0], max_num_seqs=4, block_size=4, compiled_step=True, speculative_method="eagle",
+              draft_model=models[1]["mla"], num_speculative_tokens=2)
+    # while the engine and its loaded kernels live
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("aotinductor_", "eyas-kernel-"))] == []
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=23, ignore_eos=True))
+    assert [o.token_ids for o in outs] == run(models[0], compiled=False)[0]  # the kernels still run
+
+
 def test_drafts_with_the_same_tensors_and_another_switch_compile_apart(models, tmp_path):
     """norm_output changes a draft's step but none of its tensors: each draft gets its own kernels (one draft's
     were loaded for the other and refused by the check against its eager layer), and greedy output stays plain's."""

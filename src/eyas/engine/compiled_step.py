@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -168,10 +169,29 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
             _compile(name, traced, tensors, args, dynamic, path, used_path)
     used = json.loads(used_path.read_text())
     layout = [(list(tensors[i].shape), list(tensors[i].stride()), str(tensors[i].dtype)) for i in used]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _unpacked_apart():
         warnings.simplefilter("ignore", FutureWarning)
         loader = torch._inductor.aoti_load_package(str(path)).loader
     return Kernel(name, loader, used, layout)
+
+
+@contextmanager
+def _unpacked_apart():
+    """AOTInductor unpacks a package into a new directory under the temporary directory ($TMPDIR) and removes it
+    only when the loader is destroyed, which a process stopped by a signal never reaches (a server stopped with
+    SIGTERM left 15 MB in /tmp each time). Here it unpacks into a directory of this process's own, removed once the
+    kernel is loaded: the loaded library stays mapped and the loader reads no file after."""
+    unpacked = tempfile.mkdtemp(prefix="eyas-kernel-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = unpacked
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(unpacked, ignore_errors=True)
 
 
 def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequence[torch.Tensor],
