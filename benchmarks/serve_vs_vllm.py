@@ -7,8 +7,9 @@ prints output tok/s and mean TPOT per server and concurrency, and each one's rat
 mode at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
 vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
 benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). eyas serve runs with its defaults
-(the compiled step, the adaptive verify width), and with --enforce-eager (eyas-plain-eager, eyas-draft-eager). A
-server that does not start is reported with its log and the others still run.
+(the compiled step, the adaptive verify width), and with --enforce-eager (eyas-plain-eager, eyas-draft-eager). Every
+server gets --num-warmups untimed requests at each concurrency before its timed run. A server that does not start is
+reported with its log and the others still run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-warmups", type=int, default=32, help="untimed requests at each concurrency before its "
+                   "timed run, for every server alike (eyas bench serve --num-warmups): each is measured as a "
+                   "server that has been serving at that load (default 32; 0 measures a fresh one)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--servers", nargs="+", default=SERVERS, choices=SERVERS)
@@ -57,7 +61,8 @@ def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = F
 def bench(args: argparse.Namespace, url: str, out: Path) -> list[dict]:
     subprocess.run([sys.executable, "-m", "eyas.cli", "bench", "serve", "--base-url", url, "--model", str(TARGET),
                     "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-                    "--concurrency", *map(str, args.concurrency), "--json", str(out)], check=True)
+                    "--num-warmups", str(args.num_warmups), "--concurrency", *map(str, args.concurrency),
+                    "--json", str(out)], check=True)
     return json.loads(out.read_text())["runs"]
 
 

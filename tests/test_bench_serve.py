@@ -73,12 +73,19 @@ def test_bench_a_running_server_with_a_jsonl_dataset_and_poisson_arrivals(checkp
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n" +
                     json.dumps({"messages": [{"role": "user", "content": "Write a loop."}]}) + "\n")
-    with running(LLM(checkpoint, max_num_seqs=4)) as (url, _):
+    llm = LLM(checkpoint, max_num_seqs=4)
+    received = []  # max_tokens of every request the engine takes
+    add_request = llm.add_request
+    llm.add_request = lambda prompt, params: received.append(params.max_tokens) or add_request(prompt, params)
+    with running(llm) as (url, _):
         args = parse("--base-url", url, "--api-key", KEY, "--model", str(checkpoint), "--dataset", str(data),
-                     "--num-prompts", "4", "--output-len", "5", "--concurrency", "2", "--request-rate", "40")
+                     "--num-prompts", "4", "--output-len", "5", "--concurrency", "2", "--request-rate", "40",
+                     "--num-warmups", "3")
         report = bench_serve(args)
     [run] = report["runs"]
     check_run(run)
+    # two short requests once, then 3 untimed at the run's concurrency before its 4 timed ones
+    assert len(received) == 2 + 3 + 4 and run["num_requests"] == 4
     assert run["server"] == "server" and report["comparison"] == [] and run["acceptance_length"] is None
     assert report["config"]["served_model_name"] is None  # found in /v1/models
     assert "api_key" not in report["config"] and KEY not in json.dumps(report)  # the key is sent, never reported

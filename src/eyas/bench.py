@@ -464,6 +464,10 @@ def bench_serve(args: argparse.Namespace) -> dict:
                                  args.seed, args.request_timeout, f"{label} warmup"))
             for c in args.concurrency:
                 name = f"{label} c={c}" + (f" repeat {repeat + 1}/{args.repeats}" if args.repeats > 1 else "")
+                if args.num_warmups:
+                    warm = [requests[i % len(requests)] for i in range(args.num_warmups)]
+                    asyncio.run(run_load(url, model, warm, c, math.inf, args.temperature, args.api_key, args.seed,
+                                         args.request_timeout, f"{name} warmup"))
                 before = spec_counters(metrics)
                 results, duration = asyncio.run(run_load(url, model, requests, c, args.request_rate,
                                                          args.temperature, args.api_key, args.seed,
@@ -524,6 +528,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and the arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take, its whole "
                    "stream included (a request still unfinished then fails)")
+    p.add_argument("--num-warmups", type=int, default=0, help="untimed requests (the timed ones' prompts, "
+                   "cycled) sent at each concurrency before its timed run: a server that adapts to its load, as "
+                   "eyas's verify width does, is then measured as one that has been serving at that load")
     p.add_argument("--repeats", type=_positive_int, default=1, help="run every (server, concurrency) this many "
                    "times, alternating which server goes first; the comparison gives the median of the paired "
                    "ratios (single runs on a shared machine move by several percent)")
