@@ -24,7 +24,8 @@ rows cost more of a step), so a server whose load climbs does not run its larges
 learn what the smaller ones already showed, and it waits as long before its first probe as the smaller one had come
 to wait (below); a new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
 (down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
-proposes its drafts, the second verifies them and is timed), the wider and the narrower in turn, so the line and the
+proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is
+timed from its third step), the wider and the narrower in turn, so the line and the
 acceptance of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. A
 probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the next (up to
 MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position every sequence
@@ -61,6 +62,11 @@ BACKOFF_LOSS = 0.1  # a probed width this far behind the current one (tokens per
 MAX_BACKOFF = 8  # probes at most this many times rarer than probe_every
 CONTEXT_MEMORY = 256  # steps over which prompt rows per committed token are counted (decayed sums)
 CONTEXT_SAMPLES = 32  # recent timings of the draft's context work kept, with and without prompt rows each
+# the first steps of a run at width 0, whose times are not taken: the one that verifies the drafts proposed before it,
+# and the first with no draft at all, whose caches still hold what drafting read (the draft's weights, the experts
+# of its verify rows) instead of the target's weights; at one sequence on the bundled models that step took 4.0-4.6
+# ms and the next ones 3.5-3.9, as a run of width 0 does
+SETTLE_STEPS = 2
 
 
 def bucket_of(batch_size: int) -> int:
@@ -82,6 +88,8 @@ class _Bucket:
     probes: int = 0  # probes so far (even: the wider neighbour, odd: the narrower)
     probed: int | None = None  # the width of the probe that ran last, until its outcome sets the backoff
     backoff: int = 1  # the wait between probes, in probe periods
+    last: int = -1  # the width chosen by the last call
+    streak: int = 0  # calls in a row, the last included, that chose it
 
 
 def _tokens_per_step(bucket: _Bucket, width: int) -> float:
@@ -135,6 +143,12 @@ class AdaptiveWidth:
     def width(self, batch_size: int) -> int:
         """The width the next step of a batch of `batch_size` sequences should verify."""
         bucket = self._bucket(batch_size)
+        width = self._choose(batch_size, bucket)
+        bucket.streak = bucket.streak + 1 if width == bucket.last else 1
+        bucket.last = width
+        return width
+
+    def _choose(self, batch_size: int, bucket: _Bucket) -> int:
         bucket.calls += 1
         untimed = self._untimed(bucket)
         if untimed is not None:
@@ -144,21 +158,28 @@ class AdaptiveWidth:
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
         every = min(self.probe_every, max(self.probe_every // 4, self.probe_every * bucket_of(batch_size) // 8))
-        if bucket.probed is not None and bucket.calls >= bucket.next_probe + 2:  # the last probe's outcome is in
-            self._back_off(batch_size, bucket)
+        if bucket.probed is not None and bucket.calls >= bucket.next_probe + self._probe_steps(bucket.probed):
+            self._back_off(batch_size, bucket)  # the last probe's outcome is in
             bucket.next_probe += every * bucket.backoff
         if bucket.next_probe == 0:
             bucket.next_probe = (bucket.calls // every + bucket.backoff) * every - 2 \
                 if bucket.calls % every < every - 2 else bucket.calls
-        if bucket.next_probe <= bucket.calls <= bucket.next_probe + 1:
-            wider = bucket.probes % 2 == 0
-            width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
-                else bucket.width - 1
-            if bucket.calls == bucket.next_probe + 1:
+        wider = bucket.probes % 2 == 0
+        width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
+            else bucket.width - 1
+        steps = self._probe_steps(width)
+        if bucket.next_probe <= bucket.calls < bucket.next_probe + steps:
+            if bucket.calls == bucket.next_probe + steps - 1:
                 bucket.probes += 1
                 bucket.probed = width
             return width
         return bucket.width
+
+    @staticmethod
+    def _probe_steps(width: int) -> int:
+        """Steps a probe of `width` runs, the last of them timed: the first proposes its drafts; a probe of width 0
+        runs its SETTLE_STEPS first."""
+        return SETTLE_STEPS + 1 if width == 0 else 2
 
     def _back_off(self, batch_size: int, bucket: _Bucket) -> None:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
@@ -250,6 +271,8 @@ class AdaptiveWidth:
         """One decode step of a batch of `batch_size` sequences at `width` took `seconds`; per sequence, how many
         drafts it verified and how many of them were accepted."""
         bucket = self._bucket(batch_size)
+        if width == 0 and bucket.last == 0 and bucket.streak <= SETTLE_STEPS:
+            return  # a run of width 0 as width() chose it: its first steps are not what a run of them costs
         # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
         # fewer ran must not look cheaper for it
         bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
