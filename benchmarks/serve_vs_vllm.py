@@ -116,8 +116,9 @@ def main() -> int:
         print(f"{name:12s}" + "".join(cells))
     if args.out:
         args.out.write_text(json.dumps({"concurrency": args.concurrency, "num_prompts": args.num_prompts,
-                                        "output_len": args.output_len, "cpu": cpu_model(), "results": results,
-                                        "did_not_start": failed}, indent=2) + "\n")
+                                        "output_len": args.output_len, "num_warmups": args.num_warmups,
+                                        "cpu": cpu_model(), "results": results, "did_not_start": failed},
+                                       indent=2) + "\n")
     return 0
 
 
