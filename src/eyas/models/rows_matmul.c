@@ -2,10 +2,10 @@
    float32, one thread: the kernel `eyas.models.rows_matmul` builds, for the logits of a step's few rows.
 
    CPU BLAS multiplies 2 to 8 rows by the bundled target's lm_head 2-4x slower than one row (it packs the whole
-   weight for a matrix product whose other side has a few rows). Here each block of columns of w is read once and
-   used at once, from registers, by every row of a block of up to 8 rows. Every output element is the same chain
-   of fused multiply-adds over k = 0..K-1 whatever the other rows are: a row's logits do not depend on the batch it
-   runs in (decode and verify rows agree bit for bit). */
+   weight for a matrix product whose other side has a few rows). Here each block of columns of w is read from
+   memory once and used from registers and the caches by every row (rows_matmul_f32). Every output element is the
+   same chain of fused multiply-adds over k = 0..K-1 whatever the other rows are: a row's logits do not depend on
+   the batch it runs in (decode and verify rows agree bit for bit). */
 
 #include <math.h>
 #include <stdint.h>
