@@ -2,10 +2,14 @@
 
     python benchmarks/decode_profile.py                      # batch 8, 16, 32 on the shipped tiny target
     python benchmarks/decode_profile.py --batch-sizes 16 --ops 20
+    python benchmarks/decode_profile.py --enforce-eager       # the step op by op
 
 For each batch size: N greedy requests are prefilled, then stepped to a steady state; ms per step is the median of
 --rounds timed runs of --steps steps, then one more run under cProfile splits a step into the categories below
-(inclusive times, so Python-heavy parts read a little high). --ops adds torch.profiler's most expensive ops.
+(inclusive times, so Python-heavy parts read a little high). The step is the compiled one, as every eyas command runs
+it on CPU: its kernels (everything between two attentions) are one category, the attention over the paged cache
+another; with --enforce-eager the eager step's attention, MoE and the rest. --ops adds torch.profiler's most
+expensive ops (the compiled kernels' own work does not show there).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from decode import prompts_for
 
 from eyas import LLM, SamplingParams
+from eyas.engine.compiled_step import CompiledTarget, Kernel
 from eyas.paths import DEFAULT_MODEL
 
 
@@ -62,19 +67,24 @@ def categories(stats: pstats.Stats, steps: int) -> dict[str, float]:
         line = function.__code__.co_firstlineno
         return lambda hits: next((h for h in hits if h[0] == line), (0, 0.0))
 
-    out = {
-        "schedule": cum("engine/scheduler.py", "schedule"),
-        "metadata": cum("models/attention.py", "build"),
-        "attention": cum("models/deepseek_v3.py", "forward", at(dsv3.MLAttention.forward)),
-        "  of it, paged attention": cum("models/attention.py", "paged_latent_attention"),
-        "MoE": cum("models/deepseek_v3.py", "forward", at(dsv3.MoE.forward)),
-        "  of it, routing": cum("models/deepseek_v3.py", "route"),
-        "model, other": cum("models/deepseek_v3.py", "forward", at(dsv3.DeepseekV3Model.forward)),
-        "lm head": cum("models/deepseek_v3.py", "compute_logits"),
-        "sampling": cum("engine/sampling.py", "process_logits") + cum("engine/sampling.py", "sample"),
-        "commit (append, stop checks)": cum("engine/scheduler.py", "commit"),
-    }
-    out["model, other"] -= out["attention"] + out["MoE"]
+    compiled = cum("engine/compiled_step.py", "forward", at(CompiledTarget.forward))
+    out = {"schedule": cum("engine/scheduler.py", "schedule"), "metadata": cum("models/attention.py", "build")}
+    if compiled:
+        out["compiled kernels (all but attention)"] = cum("engine/compiled_step.py", "__call__", at(Kernel.__call__))
+        out["attention over the paged cache"] = cum("models/attention.py", "paged_latent_attention")
+        out["model, other"] = compiled - out["compiled kernels (all but attention)"] - \
+            out["attention over the paged cache"]
+    else:
+        out["attention"] = cum("models/deepseek_v3.py", "forward", at(dsv3.MLAttention.forward))
+        out["  of it, paged attention"] = cum("models/attention.py", "paged_latent_attention")
+        out["MoE"] = cum("models/deepseek_v3.py", "forward", at(dsv3.MoE.forward))
+        out["  of it, routing"] = cum("models/deepseek_v3.py", "route")
+        out["model, other"] = cum("models/deepseek_v3.py", "forward", at(dsv3.DeepseekV3Model.forward)) - \
+            out["attention"] - out["MoE"]
+    out["lm head"] = cum("models/deepseek_v3.py", "compute_logits")
+    out["sampling"] = (cum("engine/sampling.py", "process_logits") + cum("engine/sampling.py", "sample")
+                       + cum("engine/verifier.py", "_greedy"))  # an all-greedy batch: one argmax over its rows
+    out["commit (append, stop checks)"] = cum("engine/scheduler.py", "commit")
     step = cum("engine/llm.py", "step", at(LLM.step))
     accounted = sum(v for k, v in out.items() if not k.startswith(" "))
     out["step, other (llm + runner Python)"] = step - accounted
@@ -91,11 +101,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per batch size; the median is printed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ops", type=int, default=0, help="also print torch.profiler's top N ops by self CPU time")
+    ap.add_argument("--enforce-eager", action="store_true", help="profile the step op by op (default: the "
+                    "compiled step, as every eyas command runs on CPU)")
     args = ap.parse_args()
 
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), threads=args.threads)
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), threads=args.threads,
+              compiled_step=not args.enforce_eager)
     print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
-          f"torch {torch.__version__}")
+          f"{'eager' if args.enforce_eager else 'compiled step'}, torch {torch.__version__}")
     for batch in args.batch_sizes:
         seqs = start(llm, batch, args.prompt_len)
         ms = statistics.median(time_steps(llm, args.steps) for _ in range(args.rounds))
