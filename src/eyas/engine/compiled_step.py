@@ -342,10 +342,11 @@ class _CompiledSteps:
 
 
 class CompiledDraft(_CompiledSteps):
-    """An EAGLE-3 draft whose steps over decode rows run as two compiled kernels: the layer up to its cache write
-    (input norms, projections, rope: queries and cache entries) and after its attention (output projection,
-    residual, MLP and the carried state); the attention over the draft's cache runs eager between them. Steps it
-    does not take (`CompiledTarget.takes`) run the draft eager. Otherwise it is the draft (the engine's DraftHead)."""
+    """An EAGLE-3 draft whose steps over decode rows run as compiled kernels: step 0's fusion of the target's states
+    (fc and its norms); the layer up to its cache write (embedding, rope, input norms, projections: queries and cache
+    entries); and after its attention (output projection, residual, MLP and the carried state). The attention over
+    the draft's cache runs eager between them. Steps it does not take (`CompiledTarget.takes`) run the draft eager.
+    Otherwise it is the draft (the engine's DraftHead)."""
 
     def __init__(self, draft: Eagle3Draft, progress: Callable[[str], None] | None = None) -> None:
         self.draft = draft
@@ -355,32 +356,46 @@ class CompiledDraft(_CompiledSteps):
         dtype, device = weight.dtype, weight.device
         rows, H = 2, draft.config.hidden_size
         # distinct tensors: export takes one tensor passed twice for one input
-        embeds, hidden = (torch.zeros(rows, H, dtype=dtype, device=device) for _ in range(2))
-        cos, sin = (t.to(dtype) for t in draft.rotary(torch.arange(rows, device=device)))
+        hidden, residual = (torch.zeros(rows, H, dtype=dtype, device=device) for _ in range(2))
+        aux = [torch.zeros(rows, draft.config.target_hidden_size, dtype=draft.embed_tokens.weight.dtype, device=device)
+               for _ in range(draft.config.num_aux_hidden_states)]  # the target's states, in the target's dtype
+        token_ids, positions = torch.zeros(rows, dtype=torch.long, device=device), torch.arange(rows, device=device)
+
+        def inputs(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+            cos, sin = (t.to(dtype) for t in draft.rotary(positions))
+            return layer.attention_inputs(draft.embed(token_ids, hidden.dtype), hidden, cos, sin)
+
         with torch.no_grad():
-            q, _, _ = layer.attention_inputs(embeds, hidden, cos, sin)
+            q, _, _ = inputs(token_ids, hidden, positions)
             out = torch.zeros(*q.shape[:2], _value_width(layer), dtype=dtype, device=device)
         arch = draft.config.arch
-        before = [layer.input_layernorm, layer.hidden_norm, layer.self_attn]
+        fusion = [draft.fc, *([draft.fc_norm] if draft.config.fc_norm else []),
+                  *([draft.input_norm] if draft.config.norm_before_fc else [])]
+        before = [draft.embed_tokens, draft.rotary, layer.input_layernorm, layer.hidden_norm, layer.self_attn]
         after = [layer.self_attn, layer.post_attention_layernorm, layer.mlp, draft.norm]
-        calls = [(f"draft-{arch}-inputs", before, layer.attention_inputs, (embeds, hidden, cos, sin)),
+        calls = [(f"draft-{arch}-fuse", fusion, lambda *aux: (draft.combine_hidden_states(hidden, list(aux)),), aux),
+                 (f"draft-{arch}-inputs", before, inputs, (token_ids, hidden, positions)),
                  (f"draft-{arch}-outputs", after, lambda residual, out: (draft.carried(layer.after_attention(
-                     residual, out)),), (hidden, out))]
+                     residual, out)),), (residual, out))]
         start = time.perf_counter()
-        self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
-                                                   config_settings(draft.config), progress)
+        self.fuse, self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
+                                                              config_settings(draft.config), progress)
         self.seconds = time.perf_counter() - start
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
+                              ) -> torch.Tensor:
+        if target_hidden.shape[0] > MAX_ROWS:
+            return self.draft.combine_hidden_states(target_hidden, aux_hidden_states)
+        kernel, weights = self.fuse
+        return kernel(weights, *aux_hidden_states)[0]
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
                  cache: torch.Tensor) -> torch.Tensor:
-        draft = self.draft
         if not CompiledTarget.takes(attn):
-            return draft(hidden, next_token_ids, attn, cache)
-        dtype = draft.fc.weight.dtype
-        cos, sin = (t.to(dtype) for t in draft.rotary(attn.positions))
+            return self.draft(hidden, next_token_ids, attn, cache)
         kernel, weights = self.inputs
-        q, entry, residual = kernel(weights, draft.embed(next_token_ids, hidden.dtype), hidden, cos, sin)
-        out = draft.layers[0].attend(q, entry, attn, cache)
+        q, entry, residual = kernel(weights, next_token_ids, hidden, attn.positions)
+        out = self.draft.layers[0].attend(q, entry, attn, cache)
         kernel, weights = self.outputs
         return kernel(weights, residual, out)[0]
 
@@ -462,7 +477,10 @@ def _check_against_eager(what: str, kernel: Kernel, weights: list[torch.Tensor],
     constant, or another layer's weights, would compute something else."""
     generator = torch.Generator(device=args[0].device).manual_seed(0)
     n = min(max(3, rows[0]), rows[1])
-    inputs = [torch.randn(n, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device) for a in args]
+    inputs = [torch.randn(n, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device)
+              if a.is_floating_point() else  # token ids and positions
+              torch.randint(0, 16, (n, *a.shape[1:]), generator=generator, dtype=a.dtype, device=a.device)
+              for a in args]
     with torch.inference_mode():
         expected = fn(*inputs)
         got = kernel(weights, *inputs)
