@@ -480,6 +480,30 @@ def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, 
     assert torch.equal(last, out[2:, -heads:])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_sequence_alone_calls_the_latent_kernel_straight_with_the_same_numbers(rows):
+    """Batch-1 decode and verify rows (and each draft step) over one run of the cache: every layer calls the kernel
+    with what the first worked out, and gets bit for bit what the general path computes; a context gathered from
+    scattered blocks takes the general path."""
+    from eyas.models.attention import paged_latent_attention
+
+    torch.manual_seed(0)
+    in_run = AttentionMetadata.build([rows], [37], [[2, 3, 4]], 16)
+    scattered = AttentionMetadata.build([rows], [37], [[4, 0, 2]], 16)
+    for _ in range(3):  # layers share the step's metadata, each with its own cache
+        latent = torch.randn(6 * 16, 576)
+        q = torch.randn(rows, 4, 576)
+        direct = paged_latent_attention(q, latent, in_run, 512, 0.1)
+        general = paged_latent_attention(q, latent, in_run, 512, 0.1, groups=in_run.groups)
+        assert torch.equal(direct, general)
+        assert isinstance(in_run.groups[0].alone_bias, torch.Tensor)
+        gathered = paged_latent_attention(q, latent, scattered, 512, 0.1)
+        torch.testing.assert_close(gathered, paged_latent_attention(
+            q, latent.view(6, 16, 576)[[4, 0, 2]].reshape(48, 576), AttentionMetadata.build([rows], [37], [[0, 1, 2]],
+                                                                                             16), 512, 0.1))
+        assert scattered.groups[0].alone_bias is False
+
+
 def test_the_latent_kernel_refuses_what_it_cannot_compute():
     from eyas.models.latent_kernel import latent_attention
 

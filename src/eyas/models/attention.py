@@ -57,6 +57,9 @@ class AttentionGroup:
     # attn_bias with each query position's row repeated per head, [group_batch, 1, max_query_len * heads, max_seq_len]
     # in the cache's dtype (one position: attn_bias itself): built by the first layer that attends, reused by the rest
     head_bias: torch.Tensor | None = None
+    # a sequence alone over one run of the cache: its bias [max_query_len, max_seq_len] as the latent kernel reads
+    # it, when the kernel takes the group's calls (set by the first layer that attends, see _alone); False: it does not
+    alone_bias: torch.Tensor | bool | None = None
 
 
 @dataclass(slots=True)
@@ -236,6 +239,10 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     With `groups` (some of attn.groups), only their rows are computed; the others are left unset.
     """
     heads = q.shape[1]
+    if groups is None and len(attn.groups) == 1:
+        out = _alone(q, latent_cache, attn.groups[0], value_dim, scale)
+        if out is not None:
+            return out
 
     def attend(group: AttentionGroup) -> torch.Tensor:
         batch, max_q = group.query_rows.shape
@@ -262,6 +269,29 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
         return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, value_dim]
 
     return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
+
+
+def _alone(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, value_dim: int, scale: float
+           ) -> torch.Tensor | None:
+    """paged_latent_attention for a group of one sequence that holds every row of q and reads its context in place
+    (batch-1 decode and verify, every draft step at batch 1): the latent kernel called straight, what every layer's
+    call shares worked out by the first (at batch 1 the general path's tensor ops cost a 4-row verify step about as
+    much as the kernel itself). None where the general path runs."""
+    if group.alone_bias is False or not q.is_contiguous():
+        return None
+    if group.alone_bias is None:
+        max_q, max_s = group.attn_bias.shape[2:]
+        kv = _context(cache, group) if group.kv_view is not None else None
+        fits = (kv is not None and group.query_rows.shape[0] == 1 and group.in_flat_order
+                and group.rows.shape[0] == q.shape[0] == max_q
+                and not _wants_threads(max_q * max_s, KERNEL_PARALLEL_PAIRS)
+                and latent_kernel.takes(q.unsqueeze(0), kv, value_dim))
+        group.alone_bias = group.attn_bias[0, 0].to(torch.float32).contiguous() if fits else False
+        if not fits:
+            return None
+    first_slot = group.kv_view[0]
+    return latent_kernel.latent_attention_alone(q, cache, first_slot, group.alone_bias.shape[1], group.alone_bias,
+                                                scale, value_dim)
 
 
 def _wants_threads(pairs: int, least: int = PARALLEL_PAIRS) -> bool:

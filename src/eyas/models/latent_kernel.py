@@ -96,3 +96,21 @@ def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
         raise RuntimeError(f"latent_attention: queries {tuple(queries.shape)} over latents {tuple(kv.shape)}: "
                            f"{ERRORS.get(code, code)}")
     return out
+
+
+def latent_attention_alone(q: torch.Tensor, cache: torch.Tensor, first_slot: int, seq_len: int, bias: torch.Tensor,
+                           scale: float, value_dim: int) -> torch.Tensor:
+    """One sequence's query rows q [rows, heads, D] (contiguous) over the slots first_slot.. first_slot + seq_len - 1
+    of cache [slots, D], with bias [rows, seq_len] (float32, contiguous): [rows, heads, value_dim]. latent_attention
+    for a batch of one whose context is one run of the cache, with nothing to check or copy (the caller has:
+    `takes` on the same tensors, once per step)."""
+    rows, heads, width = q.shape
+    out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
+    size = cache.element_size()
+    code = _library().latent_attention_f32(
+        q.data_ptr(), cache.data_ptr() + first_slot * cache.stride(0) * size, 0, cache.stride(0), bias.data_ptr(),
+        heads, 1, rows * heads, seq_len, width, value_dim, scale, out.data_ptr())
+    if code != 0:
+        raise RuntimeError(f"latent_attention: queries {tuple(q.shape)} over {seq_len} latents: "
+                           f"{ERRORS.get(code, code)}")
+    return out
