@@ -490,6 +490,8 @@ def test_a_sequence_alone_calls_the_latent_kernel_straight_with_the_same_numbers
     torch.manual_seed(0)
     in_run = AttentionMetadata.build([rows], [37], [[2, 3, 4]], 16)
     scattered = AttentionMetadata.build([rows], [37], [[4, 0, 2]], 16)
+    assert in_run.slot_mapping.tolist() == list(range(2 * 16 + 37 - rows, 2 * 16 + 37))  # blocks 2, 3, 4
+    assert scattered.slot_mapping.tolist() == [2 * 16 + p - 32 for p in range(37 - rows, 37)]  # block 2 holds 32..
     for _ in range(3):  # layers share the step's metadata, each with its own cache
         latent = torch.randn(6 * 16, 576)
         q = torch.randn(rows, 4, 576)

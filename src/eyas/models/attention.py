@@ -95,6 +95,12 @@ class AttentionMetadata:
         geometry = (block_size, *lanes, runs)
         if len(query_lens) == 1:  # a sequence alone (batch-1 decode, each draft step): a third of the ops
             q_len, s_len = query_lens[0], seq_lens[0]
+            if runs[0] >= 0:  # one run of the cache: its slots are first, first + 1, ...
+                first = runs[0] * block_size
+                group = _group([0], query_lens, seq_lens, kv_starts, None, [0], geometry, device)
+                return cls(positions=torch.arange(s_len - q_len, s_len, device=device),
+                           slot_mapping=torch.arange(first + s_len - q_len, first + s_len, device=device),
+                           groups=[group])
             blocks = torch.tensor(block_tables[0][:num_used[0]])
             slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(1, -1)
             group = _group([0], query_lens, seq_lens, kv_starts, slots, [0], geometry, device)
@@ -175,7 +181,8 @@ def _split_at_lanes(short: list[int], seq_lens: list[int], geometry: tuple) -> l
 
 
 def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_starts: list[int],
-           slots: torch.Tensor, starts: list[int], geometry: tuple, device) -> AttentionGroup:
+           slots: torch.Tensor | None, starts: list[int], geometry: tuple, device) -> AttentionGroup:
+    """`slots` [sequences, positions]: each position's cache slot (None for a sequence alone in one run)."""
     block_size, num_lanes, lane_blocks, runs = geometry
     if len(members) == 1:  # one sequence, nothing to pad: the same fields in a third of the ops
         b = members[0]
