@@ -402,7 +402,8 @@ class CompiledDraft(_CompiledSteps):
 
 class CompiledMTP(_CompiledSteps):
     """The MTP layer as a draft whose steps over decode rows run as compiled kernels, as the target's layers do: its
-    input fusion (enorm, hnorm, eh_proj) with the layer up to its cache write, then the layer after its attention,
+    input fusion (the token's embedding and enorm, hnorm, eh_proj) with the layer up to its cache write (rope
+    inside), then the layer after its attention,
     whose MoE has a one-row form that reads only the row's routed experts. The attention over the draft's cache runs
     eager between them; steps it does not take (`CompiledTarget.takes`) run the layer eager."""
 
@@ -414,23 +415,26 @@ class CompiledMTP(_CompiledSteps):
         dtype, device = weight.dtype, weight.device
         H = layer.eh_proj.weight.shape[0]
 
-        def inputs(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        def inputs(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+            cos, sin = (t.to(hidden.dtype) for t in draft.rotary(positions))
+            embeds = layer.embed_tokens(token_ids).to(hidden.dtype)
             h = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], -1))
             return (h, *layer.attention_inputs(h, cos, sin))
 
-        def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (embeds, hidden, cos, sin, out)
-            cos, sin = (t.to(dtype) for t in draft.rotary(torch.arange(rows, device=device)))
+        def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (token ids, hidden, positions, h, out)
             a = layer.self_attn
-            return (torch.zeros(rows, H, dtype=dtype, device=device), torch.zeros(rows, H, dtype=dtype, device=device),
-                    cos, sin, torch.zeros(rows, a.num_heads, a.kv_lora_rank, dtype=dtype, device=device))
+            return (torch.zeros(rows, dtype=torch.long, device=device),
+                    torch.zeros(rows, H, dtype=dtype, device=device), torch.arange(rows, device=device),
+                    torch.zeros(rows, H, dtype=dtype, device=device),
+                    torch.zeros(rows, a.num_heads, a.kv_lora_rank, dtype=dtype, device=device))
 
-        before = [layer.enorm, layer.hnorm, layer.eh_proj, *_attention_parts(layer)]
+        before = [layer.embed_tokens, draft.rotary, layer.enorm, layer.hnorm, layer.eh_proj, *_attention_parts(layer)]
         after = _after_parts(layer)
         outputs = lambda h, out: (layer.after_attention(h, out),)  # noqa: E731
         two, one = examples(2), examples(1)
-        calls = [("mtp-inputs", before, inputs, two[:4], (1, MAX_ROWS)),
-                 ("mtp-outputs", after, outputs, (two[0], two[4]), (2, MAX_ROWS)),
-                 ("mtp-outputs-1row", after, outputs, (one[0], one[4]), (1, 1))]
+        calls = [("mtp-inputs", before, inputs, two[:3], (1, MAX_ROWS)),
+                 ("mtp-outputs", after, outputs, two[3:], (2, MAX_ROWS)),
+                 ("mtp-outputs-1row", after, outputs, one[3:], (1, 1))]
         start = time.perf_counter()
         self.inputs, self.outputs, self.outputs_one_row = _draft_kernels("the MTP layer", calls,
                                                                          config_settings(draft.config), progress)
@@ -441,9 +445,8 @@ class CompiledMTP(_CompiledSteps):
         draft, layer = self.draft, self.draft.layer
         if not CompiledTarget.takes(attn):
             return draft(hidden, next_token_ids, attn, cache)
-        cos, sin = (t.to(hidden.dtype) for t in draft.rotary(attn.positions))
         kernel, weights = self.inputs
-        h, q, latent = kernel(weights, layer.embed_tokens(next_token_ids).to(hidden.dtype), hidden, cos, sin)
+        h, q, latent = kernel(weights, next_token_ids, hidden, attn.positions)
         out = layer.self_attn.cached_attention(q, latent, attn, cache)
         kernel, weights = self.outputs_one_row if attn.num_tokens == 1 else self.outputs
         return kernel(weights, h, out)[0]
