@@ -97,15 +97,14 @@ class AttentionMetadata:
             q_len, s_len = query_lens[0], seq_lens[0]
             if runs[0] >= 0:  # one run of the cache: its slots are first, first + 1, ...
                 first = runs[0] * block_size
-                group = _group([0], query_lens, seq_lens, kv_starts, None, [0], geometry, device)
-                return cls(positions=torch.arange(s_len - q_len, s_len, device=device),
-                           slot_mapping=torch.arange(first + s_len - q_len, first + s_len, device=device),
-                           groups=[group])
-            blocks = torch.tensor(block_tables[0][:num_used[0]])
-            slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(1, -1)
+                slots, slot_mapping = None, torch.arange(first + s_len - q_len, first + s_len)
+            else:
+                blocks = torch.tensor(block_tables[0][:num_used[0]])
+                slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(1, -1)
+                slot_mapping = slots[0, s_len - q_len:s_len]
             group = _group([0], query_lens, seq_lens, kv_starts, slots, [0], geometry, device)
             return cls(positions=torch.arange(s_len - q_len, s_len, device=device),
-                       slot_mapping=slots[0, s_len - q_len:s_len].to(device), groups=[group])
+                       slot_mapping=slot_mapping.to(device), groups=[group])
         width = max(num_used)
         table = torch.tensor([blocks[:n] + [0] * (width - n) for blocks, n in zip(block_tables, num_used)])
         # slots[b, p]: the flat cache slot of position p of sequence b (past seq_lens[b]: slots of block 0)

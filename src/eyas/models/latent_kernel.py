@@ -92,9 +92,7 @@ def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
         bounds = [batch * t // threads for t in range(threads + 1)]
         codes = list(_pool(threads).map(part, bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]))
         code = next((c for c in codes if c != 0), 0)
-    if code != 0:
-        raise RuntimeError(f"latent_attention: queries {tuple(queries.shape)} over latents {tuple(kv.shape)}: "
-                           f"{ERRORS.get(code, code)}")
+    _check(code, f"queries {tuple(queries.shape)} over latents {tuple(kv.shape)}")
     return out
 
 
@@ -110,7 +108,10 @@ def latent_attention_alone(q: torch.Tensor, cache: torch.Tensor, first_slot: int
     code = _library().latent_attention_f32(
         q.data_ptr(), cache.data_ptr() + first_slot * cache.stride(0) * size, 0, cache.stride(0), bias.data_ptr(),
         heads, 1, rows * heads, seq_len, width, value_dim, scale, out.data_ptr())
-    if code != 0:
-        raise RuntimeError(f"latent_attention: queries {tuple(q.shape)} over {seq_len} latents: "
-                           f"{ERRORS.get(code, code)}")
+    _check(code, f"queries {tuple(q.shape)} over {seq_len} latents")
     return out
+
+
+def _check(code: int, call: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"latent_attention: {call}: {ERRORS.get(code, code)}")
