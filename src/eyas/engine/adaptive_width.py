@@ -77,6 +77,7 @@ def bucket_of(batch_size: int) -> int:
 @dataclass(slots=True)
 class _Bucket:
     samples: list[deque[float]]  # the last `window` step times (seconds) at each width 0..max
+    medians: list[float | None]  # the median of each width's samples (None: none yet), kept as they arrive
     accepted_rate: list[float | None]  # EMA of q_k for k = 1..max (index k - 1)
     trials: list[int]  # sequences that drafted k or more so far, per k
     tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the step
@@ -95,6 +96,14 @@ class _Bucket:
 def _tokens_per_step(bucket: _Bucket, width: int) -> float:
     """Tokens a sequence commits in a step at `width`: 1 + q_1 + ... + q_width (a position not yet tried counts 0)."""
     return 1.0 + sum(q for q in bucket.accepted_rate[:width] if q is not None)
+
+
+def _tokens_per_width(bucket: _Bucket) -> list[float]:
+    """_tokens_per_step at every width 0..max, in one pass."""
+    tokens = [1.0]
+    for q in bucket.accepted_rate:
+        tokens.append(tokens[-1] + q if q is not None else tokens[-1])
+    return tokens
 
 
 @dataclass
@@ -127,7 +136,7 @@ class AdaptiveWidth:
             settled = below is not None and self._untimed(self.buckets[below]) is None
             widest = self.buckets[below].width if settled else self.max_width
             self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(self.max_width + 1)],
-                                        [None] * self.max_width, [0] * self.max_width,
+                                        [None] * (self.max_width + 1), [None] * self.max_width, [0] * self.max_width,
                                         [0] * (self.max_width + 1), widest, widest,
                                         backoff=self.buckets[below].backoff if settled else 1)
         return self.buckets[key]
@@ -229,21 +238,29 @@ class AdaptiveWidth:
 
     def _context_seconds(self, batch_size: int, width: int) -> float:
         """A step's share of the draft's work on prompt positions at `width` (0 at width 0), scaled as its time."""
-        if width == 0 or self.committed <= 0:
+        if width == 0:
             return 0.0
-        tokens = bucket_of(batch_size) * _tokens_per_step(self._bucket(batch_size), width)
-        return tokens * self.prompt_rows / self.committed * self.context_seconds_per_row()
+        return self._context_seconds_per_token(batch_size) * _tokens_per_step(self._bucket(batch_size), width)
+
+    def _context_seconds_per_token(self, batch_size: int) -> float:
+        """The draft's work on prompt positions per token a step of the bucket commits, scaled as its time."""
+        if self.committed <= 0:
+            return 0.0
+        return bucket_of(batch_size) * self.prompt_rows / self.committed * self.context_seconds_per_row()
 
     def step_times(self, batch_size: int) -> list[float | None]:
         """The seconds per step the choice is made on, at each width (None before any width is timed), the draft's
         work on prompt positions included."""
-        samples = self._bucket(batch_size).samples
-        medians = [statistics.median(s) if s else None for s in samples]
+        bucket = self._bucket(batch_size)
+        return self._step_times(batch_size, bucket, _tokens_per_width(bucket))
+
+    def _step_times(self, batch_size: int, bucket: _Bucket, tokens: list[float]) -> list[float | None]:
+        samples, medians = bucket.samples, list(bucket.medians)
         timed = [w for w, m in enumerate(medians) if m is not None and w > 0]
         if len(timed) < 2:  # no line through the drafting widths yet: width 0 may anchor it
             timed = [w for w, m in enumerate(medians) if m is not None]
         if len(timed) >= 2:
-            mean_w, mean_t = statistics.fmean(timed), statistics.fmean(medians[w] for w in timed)
+            mean_w, mean_t = sum(timed) / len(timed), sum(medians[w] for w in timed) / len(timed)
             spread = sum((w - mean_w) ** 2 for w in timed)
             slope = sum((w - mean_w) * (medians[w] - mean_t) for w in timed) / spread
             if slope <= 0 < mean_w and medians[0] is not None and mean_t > medians[0]:
@@ -254,7 +271,8 @@ class AdaptiveWidth:
             slope = max(slope, 0.0)
             medians = [medians[w] if len(samples[w]) >= self.min_samples or (w == 0 and samples[w])
                        else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
-        return [m if m is None else m + self._context_seconds(batch_size, w) for w, m in enumerate(medians)]
+        per_token = self._context_seconds_per_token(batch_size)
+        return [m if m is None or w == 0 else m + per_token * tokens[w] for w, m in enumerate(medians)]
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
         """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""
@@ -262,9 +280,12 @@ class AdaptiveWidth:
 
     def _scores(self, batch_size: int) -> list[float | None]:
         """tokens_per_second at every width, from one pass over the step times."""
-        bucket = self._bucket(batch_size)
-        return [_tokens_per_step(bucket, w) / max(seconds, 1e-9) if seconds is not None else None
-                for w, seconds in enumerate(self.step_times(batch_size))]
+        return self._bucket_scores(batch_size, self._bucket(batch_size))
+
+    def _bucket_scores(self, batch_size: int, bucket: _Bucket) -> list[float | None]:
+        tokens = _tokens_per_width(bucket)
+        return [t / max(seconds, 1e-9) if seconds is not None else None
+                for t, seconds in zip(tokens, self._step_times(batch_size, bucket, tokens))]
 
     def observe(self, batch_size: int, width: int, seconds: float, drafted_and_accepted: list[tuple[int, int]]
                 ) -> None:
@@ -275,8 +296,10 @@ class AdaptiveWidth:
             return  # a run of width 0 as width() chose it: its first steps are not what a run of them costs
         # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
         # fewer ran must not look cheaper for it
-        bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
-        for k in range(1, self.max_width + 1):
+        samples = bucket.samples[width]
+        samples.append(seconds * bucket_of(batch_size) / batch_size)
+        bucket.medians[width] = statistics.median(samples)
+        for k in range(1, width + 1):  # no sequence verified more drafts than the step's width
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
             if tried:
                 rate = sum(tried) / len(tried)
@@ -284,9 +307,9 @@ class AdaptiveWidth:
                 bucket.trials[k - 1] += len(tried)
                 weight = max(1 - (1 - self.alpha_per_trial) ** len(tried), len(tried) / bucket.trials[k - 1])
                 bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
-        if sum(1 for samples in bucket.samples if samples) < 2:
+        if sum(m is not None for m in bucket.medians) < 2:
             return
-        scores = self._scores(batch_size)
+        scores = self._bucket_scores(batch_size, bucket)
         best = max(range(self.max_width + 1), key=lambda w: scores[w])
         if scores[best] > scores[bucket.width] * (1 + self.margin):
             bucket.width = best

@@ -184,7 +184,7 @@ class Proposer:
         states = torch.stack([hidden, *aux], dim=1)
         if len(rows) < states.shape[0]:  # rejected drafts and prompt rows that sample nothing are not kept
             states = states[rows]
-        return list(states.split([len(k) for k in kept]))
+        return list(states.split([len(k) for k in kept])) if len(kept) > 1 else [states]
 
     def _fused(self, states: torch.Tensor) -> torch.Tensor:
         """The draft's step-0 inputs [rows, H] from target states [rows, 1 + len(aux), H] (`_kept_states`)."""
@@ -193,12 +193,13 @@ class Proposer:
     def _paused(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int],
                 width: int) -> Proposal | None:
         """At width 0, while no sequence keeps more than MAX_PENDING_ROWS positions: no draft work, the target's
-        states kept for when drafting resumes (copies: a view would keep the whole step's rows alive). Else None."""
+        states kept for when drafting resumes (copies: a view would keep every sequence's rows alive; a sequence
+        alone holds a tensor of its own). Else None."""
         # the kept states are those of the positions the target computed and the draft did not
         pending = [end - s.num_draft_computed for s, end in zip(seqs, num_computed)]
         if width == 0 and max(pending) <= MAX_PENDING_ROWS:
             return Proposal([[] for _ in seqs], [s.num_draft_computed for s in seqs],
-                            [x.clone() for x in per_seq], False)
+                            [x.clone() for x in per_seq] if len(per_seq) > 1 else per_seq, False)
         return None
 
     def _budgets(self, seqs: list[Sequence], layout: VerifyLayout, new_tokens: list[list[int]],
