@@ -3,13 +3,14 @@ vLLM), each server started alone and driven by `eyas bench serve --base-url` wit
 
     python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--concurrency 1 4 16 32]
 
-prints output tok/s and mean TPOT per server and concurrency, and each one's ratio to vLLM plain in its default
-mode at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
+prints output tok/s and mean TPOT per server and concurrency, and each one's ratio to the fastest vLLM plain server
+run at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
 vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
-benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). eyas serve runs with its defaults
-(the compiled step, the adaptive verify width), and with --enforce-eager (eyas-plain-eager, eyas-draft-eager). Every
-server gets --num-warmups untimed requests at each concurrency before its timed run. A server that does not start is
-reported with its log and the others still run.
+benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). vllm-plain-bf16 is its default mode in
+bfloat16, with its AMX kernels where the CPU has AMX (vLLM's fastest mode there; eyas runs float32 on CPU). eyas
+serve runs with its defaults (the compiled step, the adaptive verify width), and with --enforce-eager
+(eyas-plain-eager, eyas-draft-eager). Every server gets --num-warmups untimed requests at each concurrency before
+its timed run. A server that does not start is reported with its log and the others still run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
 
 SERVERS = ["eyas-plain", "eyas-draft", "eyas-plain-eager", "eyas-draft-eager", "vllm-plain", "vllm-draft",
-           "vllm-plain-eager", "vllm-draft-eager"]
+           "vllm-plain-eager", "vllm-draft-eager", "vllm-plain-bf16"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,7 +95,8 @@ def main() -> int:
                 server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"))
             else:
                 server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
-                                         max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"))
+                                         max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"),
+                                         dtype="bfloat16" if name.endswith("-bf16") else "float32")
         except RuntimeError as error:
             failed[name] = f"{error}: {log.read_text()[-2000:]}"
             print(f"{name} did not start: {error}", file=sys.stderr)
@@ -105,15 +107,16 @@ def main() -> int:
             stop(server)
         results[name] = {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
                                             "acceptance_length": r["acceptance_length"]} for r in runs}
-    base = results.get("vllm-plain") or results.get("vllm-plain-eager")
-    print(f"{'server':12s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain)  TPOT ms" for c in args.concurrency))
+    plain = [by_c for name, by_c in results.items() if name.startswith("vllm-plain")]
+    base = {c: max((by_c[c] for by_c in plain), key=lambda r: r["tok_s"]) for c in args.concurrency} if plain else None
+    print(f"{'server':16s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain)  TPOT ms" for c in args.concurrency))
     for name, by_c in results.items():
         cells = []
         for c in args.concurrency:
             r = by_c[c]
             ratio = f"{r['tok_s'] / base[c]['tok_s']:.2f}x" if base else "-"
             cells.append(f"  {r['tok_s']:7.1f} ({ratio:>6s})            {r['tpot_ms']:7.1f}")
-        print(f"{name:12s}" + "".join(cells))
+        print(f"{name:16s}" + "".join(cells))
     if args.out:
         args.out.write_text(json.dumps({"concurrency": args.concurrency, "num_prompts": args.num_prompts,
                                         "output_len": args.output_len, "num_warmups": args.num_warmups,

@@ -203,14 +203,17 @@ NO_AMX = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
 
 def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: list[str] | None = None,
                sitecustomize: str = "", max_num_seqs: int = 1, model: Path = TARGET,
-               speculative: dict | None = None, eager: bool = True) -> tuple[subprocess.Popen, str]:
+               speculative: dict | None = None, eager: bool = True, dtype: str = "float32"
+               ) -> tuple[subprocess.Popen, str]:
     """A vLLM server for `model` (with `draft` as its EAGLE-3 draft, or the `speculative` config, and `extra`
-    arguments); its URL. Every vLLM process runs NO_AMX and `sitecustomize` first (a sitecustomize.py on its
-    PYTHONPATH). `eager`: --enforce-eager (starts in seconds); else vLLM's default, which compiles its step (its
-    CPU build traces it once with Dynamo and inductor, about 2 minutes at the first start, then cached)."""
+    arguments); its URL. Every vLLM process runs `sitecustomize` first (a sitecustomize.py on its PYTHONPATH), and
+    NO_AMX before it in float32. `eager`: --enforce-eager (starts in seconds); else vLLM's default, which compiles
+    its step (its CPU build traces it once with Dynamo and inductor, about 2 minutes at the first start, then
+    cached). `dtype`: the weights' and activations' type, float32 as eyas runs on CPU, or bfloat16 (its AMX kernels
+    where the CPU has AMX)."""
     port = free_port()
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), *(extra or [])]
     if eager:
         command.append("--enforce-eager")
@@ -220,7 +223,7 @@ def start_vllm(args: argparse.Namespace, draft: Path | None, log: Path, extra: l
         command += ["--speculative-config", json.dumps(speculative)]
     site = log.with_name(log.stem + "-site")
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(NO_AMX + sitecustomize)
+    (site / "sitecustomize.py").write_text((NO_AMX if dtype == "float32" else "") + sitecustomize)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(site))
     # the virtualenv's own lib/ (not resolved: its python is a link to the base interpreter)
     libiomp = next(Path(args.vllm_python).absolute().parents[1].rglob("libiomp5.so"), None)
