@@ -93,13 +93,9 @@ class _Bucket:
     streak: int = 0  # calls in a row, the last included, that chose it
 
 
-def _tokens_per_step(bucket: _Bucket, width: int) -> float:
-    """Tokens a sequence commits in a step at `width`: 1 + q_1 + ... + q_width (a position not yet tried counts 0)."""
-    return 1.0 + sum(q for q in bucket.accepted_rate[:width] if q is not None)
-
-
-def _tokens_per_width(bucket: _Bucket) -> list[float]:
-    """_tokens_per_step at every width 0..max, in one pass."""
+def _tokens_per_step(bucket: _Bucket) -> list[float]:
+    """Tokens a sequence commits in a step at each width 0..max: 1 + q_1 + ... + q_width (a position not yet tried
+    counts 0)."""
     tokens = [1.0]
     for q in bucket.accepted_rate:
         tokens.append(tokens[-1] + q if q is not None else tokens[-1])
@@ -194,10 +190,10 @@ class AdaptiveWidth:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
         own step: wait longer for the next (module docstring); close by either: wait probe_every (a change of speed
         shows in the probe's step before it moves the median)."""
-        scores, width = self._scores(batch_size), bucket.probed
+        scores, width, tokens = self._scores(batch_size, bucket), bucket.probed, _tokens_per_step(bucket)
         samples = bucket.samples[width]
-        latest = _tokens_per_step(bucket, width) / max(samples[-1] + self._context_seconds(batch_size, width), 1e-9) \
-            if samples else None
+        context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
+        latest = tokens[width] / max(samples[-1] + context, 1e-9) if samples else None
         current = scores[bucket.width]
         # a probe away from width 0 first runs the draft over every position of the pause, of every sequence
         loss, factor, most = (BACKOFF_LOSS, 2, MAX_BACKOFF) if bucket.width > 0 else (0.0, 4, 4 * MAX_BACKOFF)
@@ -236,12 +232,6 @@ class AdaptiveWidth:
         seconds_short = statistics.median(t for _, t in self.context_short)
         return max(0.0, min(seconds_long / rows_long, (seconds_long - seconds_short) / (rows_long - rows_short)))
 
-    def _context_seconds(self, batch_size: int, width: int) -> float:
-        """A step's share of the draft's work on prompt positions at `width` (0 at width 0), scaled as its time."""
-        if width == 0:
-            return 0.0
-        return self._context_seconds_per_token(batch_size) * _tokens_per_step(self._bucket(batch_size), width)
-
     def _context_seconds_per_token(self, batch_size: int) -> float:
         """The draft's work on prompt positions per token a step of the bucket commits, scaled as its time."""
         if self.committed <= 0:
@@ -252,7 +242,7 @@ class AdaptiveWidth:
         """The seconds per step the choice is made on, at each width (None before any width is timed), the draft's
         work on prompt positions included."""
         bucket = self._bucket(batch_size)
-        return self._step_times(batch_size, bucket, _tokens_per_width(bucket))
+        return self._step_times(batch_size, bucket, _tokens_per_step(bucket))
 
     def _step_times(self, batch_size: int, bucket: _Bucket, tokens: list[float]) -> list[float | None]:
         samples, medians = bucket.samples, list(bucket.medians)
@@ -276,14 +266,11 @@ class AdaptiveWidth:
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
         """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""
-        return self._scores(batch_size)[width]
+        return self._scores(batch_size, self._bucket(batch_size))[width]
 
-    def _scores(self, batch_size: int) -> list[float | None]:
+    def _scores(self, batch_size: int, bucket: _Bucket) -> list[float | None]:
         """tokens_per_second at every width, from one pass over the step times."""
-        return self._bucket_scores(batch_size, self._bucket(batch_size))
-
-    def _bucket_scores(self, batch_size: int, bucket: _Bucket) -> list[float | None]:
-        tokens = _tokens_per_width(bucket)
+        tokens = _tokens_per_step(bucket)
         return [t / max(seconds, 1e-9) if seconds is not None else None
                 for t, seconds in zip(tokens, self._step_times(batch_size, bucket, tokens))]
 
@@ -309,7 +296,7 @@ class AdaptiveWidth:
                 bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
         if sum(m is not None for m in bucket.medians) < 2:
             return
-        scores = self._bucket_scores(batch_size, bucket)
+        scores = self._scores(batch_size, bucket)
         best = max(range(self.max_width + 1), key=lambda w: scores[w])
         if scores[best] > scores[bucket.width] * (1 + self.margin):
             bucket.width = best
