@@ -246,8 +246,9 @@ def test_requests_arriving_mid_run_and_preemption(request, pair):
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, random_pair, tmp_path, block_size):
     """B in {2, 4, 8, 16}, for the copying rig (its first draft nearly always accepted, so accepted runs end inside
-    the block), a random draft and a random MLA-shaped one: batched with chunked prompts, one request at a time, and
-    in a cache small enough that sequences are preempted and recomputed; each output equals plain greedy's."""
+    the block), a random draft and a random MLA-shaped one: batched with chunked prompts, one request at a time, in
+    a cache small enough that sequences are preempted and recomputed, and with drafting paused while three or more
+    run; each output equals plain greedy's."""
     copying_target, _, copying = copying_pair
     random_target = random_pair[0]
     drafts = {"copying": (copying_target, write_dflash(tmp_path / "copying", copying_target, num_hidden_layers=1,
@@ -271,6 +272,10 @@ def test_every_block_size_is_lossless_batched_alone_and_preempted(copying_pair, 
         preempted = small.generate(prompts, GREEDY)
         assert small.scheduler.num_preemptions > 0 and small.allocator.num_used == 0, name
         assert [o.token_ids for o in preempted] == [o.token_ids for o in LLM(target).generate(prompts, GREEDY)], name
+        paused_config = SpeculativeConfig(method="dflash", draft_model=str(draft), disable_batch_size=3)
+        llm, paused = run(target, GREEDY, speculative_config=paused_config)  # no drafts while 3 or more run
+        assert [o.token_ids for o in paused] == [o.token_ids for o in plain], name
+        assert 0 < sum(o.num_drafted for o in paused) < sum(o.num_drafted for o in batched), name
         if name == "copying":
             assert sum(o.num_accepted for o in batched) > sum(o.num_verify_steps for o in batched) / 2
 
@@ -422,6 +427,28 @@ def test_residual_sampling_keeps_the_target_distribution(tmp_path, pair):
     outs = assert_the_first_tokens_follow_the_target(llm, [3, 9, 4], vocab)
     accepted = sum(o.num_accepted for o in outs) / sum(o.num_drafted for o in outs)
     assert accepted > 0.15 if pair == "copying" else accepted < 0.15
+
+
+@pytest.mark.parametrize("strategy", ["typical", "typical-acceptance", "logit-comparison"])
+def test_every_rule_exact_for_greedy_requests_verifies_dflash_drafts(copying_pair, strategy):
+    """The rules that are exact for greedy requests keep DFlash's drafts while they are the target's argmax: the
+    output equals plain greedy's, and the copying rig's first drafts are accepted."""
+    target, _, draft = copying_pair
+    config = SpeculativeConfig(method="dflash", draft_model=str(draft), rejection_sampling_strategy=strategy)
+    _, plain = run(target, GREEDY)
+    _, outs = run(target, GREEDY, speculative_config=config)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.num_accepted for o in outs) > sum(o.num_verify_steps for o in outs) / 2
+
+
+def test_synthetic_acceptance_keeps_every_dflash_draft_or_none(copying_pair):
+    """Synthetic acceptance (engine overhead runs) at rate 1 commits every draft of the block, at rate 0 none."""
+    target, _, draft = copying_pair
+    for rate in (0.0, 1.0):
+        config = SpeculativeConfig(method="dflash", draft_model=str(draft), synthetic_acceptance_rate=rate)
+        _, outs = run(target, GREEDY, speculative_config=config)
+        drafted, accepted = sum(o.num_drafted for o in outs), sum(o.num_accepted for o in outs)
+        assert drafted > 0 and accepted == (drafted if rate else 0), rate
 
 
 def test_eyas_generate_runs_a_dflash_draft(served_pair, capsys):

@@ -4,8 +4,10 @@ exactly, trains data parallel as one process does, and refuses the EAGLE-3 setti
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +123,33 @@ def test_resume_continues_exactly(setup):
         assert (a["loss"], a["acc_per_step"], a["grad_norm"]) == (b["loss"], b["acc_per_step"], b["grad_norm"])
     for name in ("model.safetensors", "config.json"):
         assert (root / "whole" / "draft" / name).read_bytes() == (root / "halves" / "draft" / name).read_bytes()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_completes_the_run(setup):
+    """SIGINT mid-run of a DFlash draft: the step in progress finishes, its checkpoint and the draft are written,
+    the exit code is 130 with no traceback; --resume then runs the remaining steps."""
+    root, target, data = setup
+    args = ["train", "--draft-arch", "dflash", "--target", str(target), "--data", str(data), "--block-size", "4",
+            "--num-anchors", "8", "--batch-size", "4", "--max-length", "64", "--lr", "3e-3", "--warmup-steps", "2",
+            "--save-every", "1000", "--out", str(root / "interrupted")]  # nothing saved before the end but for it
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args, "--max-steps", "400"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = root / "interrupted" / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    state = torch.load(root / "interrupted" / "checkpoint" / "state.pt", weights_only=True)
+    assert 3 <= state["step"] < 400 and [r["step"] for r in read_log(log)] == list(range(1, state["step"] + 1))
+    assert json.loads((root / "interrupted" / "draft" / "config.json").read_text())["block_size"] == 4
+    finished = subprocess.run([sys.executable, "-m", "eyas.cli", *args, "--max-steps", str(state["step"] + 2),
+                               "--resume"], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert [r["step"] for r in read_log(log)] == list(range(1, state["step"] + 3))
 
 
 def test_two_process_data_parallel_equals_one_process(setup):
