@@ -264,6 +264,27 @@ def test_streamed_training_equals_training_on_the_dump_and_resumes_exactly(setup
     assert "hidden_states_server:" in recipe and "api_key" not in recipe
 
 
+
+def test_a_dflash_draft_streamed_from_the_server_trains_as_on_the_dump(setup):
+    """A DFlash block draft over the same three target layers: the same losses, step for step, streamed from the
+    server as read from eyas's dump; no server file is left."""
+    from eyas.train.config import TrainConfig
+    from eyas.train.trainer import train
+
+    def dflash_config(out, **kw):
+        return TrainConfig(target=str(setup["target_dir"]), out=str(setup["root"] / out), draft_arch="dflash",
+                           block_size=4, num_anchors=4, aux_layer_ids=list(AUX), lr=3e-3, warmup_steps=2,
+                           max_steps=4, batch_size=2, max_length=256, save_every=2, seed=0, **kw)
+
+    train(dflash_config("dflash-offline", hidden_states=str(setup["dump"])))
+    train(dflash_config("dflash-streamed", data=str(setup["data"]), hidden_states_server=setup["server"].url,
+                        vllm_storage=str(setup["storage"])))
+    offline, streamed = losses(setup["root"] / "dflash-offline"), losses(setup["root"] / "dflash-streamed")
+    assert len(streamed) == 4 and streamed == offline
+    assert not list(setup["storage"].glob("*.safetensors"))
+    config = json.loads((setup["root"] / "dflash-streamed" / "draft" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in AUX]
+
 def test_a_dump_split_over_ranks_is_the_whole_dump_once_every_rank_has_written(setup):
     """Two ranks share OUT_DIR: rank 1 alone leaves no readable dump
     (the error names the missing part), rank 0 completes it and its manifest lists every shard, each equal to the
