@@ -91,9 +91,10 @@ def _add_draft_args(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"],
                    help="train-time-test steps (draft runs on its outputs)")
     p.add_argument("--loss-decay", type=float, default=d["loss_decay"], help="weight of TTT step k is decay^k")
-    p.add_argument("--loss", choices=LOSSES, default=d["loss"], help="per-position loss: kl (soft cross-entropy "
-                   "against the target's distribution); lk-alpha (-log of the expected acceptance alpha = "
-                   "sum min(p, q)); lk-lambda (w KL + (1 - w)(1 - alpha), w = scale exp(-decay alpha))")
+    p.add_argument("--loss", choices=LOSSES, default=d["loss"], help="an EAGLE-3 draft's per-position loss (a "
+                   "DFlash draft's is --block-loss: dpace or ce): kl (soft cross-entropy against the target's "
+                   "distribution); lk-alpha (-log of the expected acceptance alpha = sum min(p, q)); lk-lambda "
+                   "(w KL + (1 - w)(1 - alpha), w = scale exp(-decay alpha))")
     p.add_argument("--lk-lambda-scale", type=float, default=d["lk_lambda_scale"], help="lk-lambda's scale")
     p.add_argument("--lk-lambda-decay", type=float, default=d["lk_lambda_decay"], help="lk-lambda's decay")
 
