@@ -451,6 +451,28 @@ def test_synthetic_acceptance_keeps_every_dflash_draft_or_none(copying_pair):
         assert drafted > 0 and accepted == (drafted if rate else 0), rate
 
 
+
+def test_relaxed_acceptance_applies_to_dflash_drafts_inside_thinking_only(served_pair):
+    """Relaxed acceptance that takes any token (top-k over the whole vocabulary, unbounded delta): inside
+    <think> every DFlash draft is kept, where the greedy rule keeps few of a random draft's; outside it the output
+    is plain greedy's."""
+    target, draft = served_pair
+    think = 5  # the shipped tokenizer's <think>; its </think> is 6
+    inside, outside = [[40, 41, think, 42]], [[40, 41, 42]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(max_num_seqs=1, block_size=4)
+    relaxed = SpeculativeConfig(method="dflash", draft_model=str(draft), num_speculative_tokens=3,
+                                relaxed_thinking=True, relaxed_thinking_topk=8192, relaxed_thinking_delta=1e9)
+    strict = SpeculativeConfig(method="dflash", draft_model=str(draft), num_speculative_tokens=3)
+    llm = LLM(target, speculative_config=relaxed, **kw)
+    assert llm.runner.verifier.think_token_ids == (5, 6)
+    kept = llm.generate(inside, params)[0]
+    assert kept.num_drafted > 0 and kept.num_accepted == kept.num_drafted
+    greedy = LLM(target, speculative_config=strict, **kw).generate(inside, params)[0]
+    assert greedy.num_accepted < greedy.num_drafted / 2
+    plain = LLM(target, **kw).generate(outside, params)[0]
+    assert llm.generate(outside, params)[0].token_ids == plain.token_ids
+
 def test_eyas_generate_runs_a_dflash_draft(served_pair, capsys):
     from eyas.cli import main as cli
 
