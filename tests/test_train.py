@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from tiny import make_tokenized_target
+from tiny import interrupt_training, make_tokenized_target
 
 from eyas.train.config import TrainConfig
 from eyas.train.trainer import train
@@ -330,15 +330,9 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_with_one_line(setup):
     root = setup[0]
     args = cli_args(setup, "interrupted", steps=400)
     args[args.index("--save-every") + 1] = "1000"  # nothing would be saved before the end but for the interrupt
-    proc = run_cli(args)
     log = root / "interrupted" / "train_log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    stderr = stderr.decode()
-    assert proc.returncode == 130, stderr[-2000:]
+    returncode, stderr = interrupt_training(args, log)
+    assert returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and "interrupted" in stderr
     state = torch.load(root / "interrupted" / "checkpoint" / "state.pt", weights_only=True)
     steps = [r["step"] for r in read_log(log)]

@@ -4,16 +4,14 @@ exactly, trains data parallel as one process does, and refuses the EAGLE-3 setti
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny import make_tokenized_target
+from tiny import interrupt_training, make_tokenized_target
 
 from eyas.train.config import TrainConfig
 from eyas.train.dflash import choose_mask_token_id
@@ -132,16 +130,9 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_completes_the_run(setup):
     args = ["train", "--draft-arch", "dflash", "--target", str(target), "--data", str(data), "--block-size", "4",
             "--num-anchors", "8", "--batch-size", "4", "--max-length", "64", "--lr", "3e-3", "--warmup-steps", "2",
             "--save-every", "1000", "--out", str(root / "interrupted")]  # nothing saved before the end but for it
-    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args, "--max-steps", "400"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = root / "interrupted" / "train_log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    stderr = stderr.decode()
-    assert proc.returncode == 130, stderr[-2000:]
+    returncode, stderr = interrupt_training([*args, "--max-steps", "400"], log)
+    assert returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr and "interrupted" in stderr
     state = torch.load(root / "interrupted" / "checkpoint" / "state.pt", weights_only=True)
     assert 3 <= state["step"] < 400 and [r["step"] for r in read_log(log)] == list(range(1, state["step"] + 1))

@@ -6,7 +6,11 @@ the tests of what eyas reads from servers. Shared fixtures are in conftest.py.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -433,3 +437,16 @@ def reply(handler: BaseHTTPRequestHandler, body: dict | str | bytes, status: int
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+def interrupt_training(args: list[str], log: Path, after_steps: int = 3) -> tuple[int, str]:
+    """Run `eyas ARGS` (a training run), send it SIGINT once its log holds `after_steps` steps: its exit code and
+    stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "eyas.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= after_steps):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr.decode()
