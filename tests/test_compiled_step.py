@@ -136,6 +136,44 @@ def test_drafts_with_the_same_tensors_and_another_switch_compile_apart(models, t
         assert run(target, True, speculative_method="eagle", draft_model=str(draft))[0] == plain
 
 
+
+def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(models, monkeypatch):
+    """bfloat16 weights: each layer's kernel holds its own weights frozen in, every step runs the kernels (prompt
+    chunks too, never the eager layers) over float32 latents, and logits are float32; each kernel gives a row the
+    same bits alone as beside other rows, so greedy output is one, token for token: one request at a time, batched
+    with chunked prompts, preempted, and speculative (an EAGLE-3 draft and the MTP layer)."""
+    from eyas.models.deepseek_v3 import DeepseekV3Model
+
+    target, drafts = models
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    alone = LLM(target, max_num_seqs=1, dtype="bfloat16", compiled_step=True)
+    monkeypatch.setattr(DeepseekV3Model, "forward", lambda *a: pytest.fail("a step ran the eager layers"))
+    expected = [alone.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert alone.runner.cache.tensors.dtype == torch.float32 and alone.model.lm_head.weight.dtype == torch.bfloat16
+    first, steps, last = alone.runner.compiled.forms[False]
+    assert alone.runner.compiled.forms[True] == (first, steps, last)  # one kernel a layer, for every row count
+    config, model = alone.model.config, alone.model.model
+    rows = 7
+    cos, sin = (t.to(torch.bfloat16) for t in model.rotary(torch.arange(rows)))
+    h = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
+    out = torch.randn(rows, config.num_attention_heads, config.kv_lora_rank, dtype=torch.bfloat16)
+    calls = [(first, (h, cos, sin)), *[(step, (h, out, cos, sin)) for step in steps], (last, (h, out))]
+    assert len({kernel.name for (kernel, _), _ in calls}) == len(calls)  # a kernel of its own for each call
+    for (kernel, weights), args in calls:
+        assert weights == []  # the layer's weights are in the kernel
+        together = kernel(weights, *args)
+        for r in range(rows):
+            one = kernel(weights, *(x[r:r + 1] for x in args))
+            assert all(torch.equal(a[r:r + 1], b) for a, b in zip(together, one)), (kernel.name, r)
+    assert run(target, True, dtype="bfloat16")[0] == expected
+    small = LLM(target, max_num_seqs=3, block_size=4, num_blocks=16, max_num_batched_tokens=16, dtype="bfloat16",
+                compiled_step=True)
+    assert [o.token_ids for o in small.generate(PROMPTS, params)] == expected and small.scheduler.num_preemptions > 0
+    for spec in (dict(speculative_method="eagle", draft_model=drafts["mla"], num_speculative_tokens=3),
+                 dict(speculative_method="mtp", num_speculative_tokens=2)):
+        tokens, outs = run(target, True, dtype="bfloat16", **spec)
+        assert tokens == expected and sum(o.num_drafted for o in outs) > 0, spec
+
 def test_a_tensor_the_modules_do_not_hold_is_refused():
     norm = torch.nn.LayerNorm(8)
     outside = torch.ones(8)

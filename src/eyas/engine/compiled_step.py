@@ -4,7 +4,7 @@ Eager, a batch-1 decode step of the bundled target runs some 400 small ops, and 
 time is dispatch, not arithmetic. Compiled, everything between two attentions is one kernel call: layer i's
 output projection, residual, norm and MLP or MoE, then layer i+1's norm, projections, rope and absorbed queries.
 The paged-cache write and the attention over the cache stay eager (their shapes change with every context); so do
-prompt chunks, which are few and long.
+prompt chunks, which are few and long, except in bfloat16 (below).
 
     first      layer 0's attention inputs                          (h, cos, sin) -> (q, latent)
     step       layer i after its attention, then layer i+1's       (h, out, cos, sin) -> (h, q, latent)
@@ -13,8 +13,16 @@ prompt chunks, which are few and long.
 
 A kernel takes the weights it reads as inputs, so every layer of a kind runs the same compiled code. Each is
 compiled for any row count from 1 to MAX_ROWS, once per model shape, dtype and torch version, and kept on disk
-(`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than MAX_ROWS rows
-run eager. Calls go straight to the compiled runner (`loader.run`), which costs a few microseconds a call where a
+(`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than MAX_ROWS rows run
+eager.
+
+In bfloat16 each layer has one kernel of its own with its weights frozen in as constants (`frozen`): the compiler's
+GEMM templates then pack them once for the CPU's bfloat16 instructions (AMX, AVX512-BF16), where weights passed as
+inputs are repacked every call and run about 2x slower than float32; it is compiled per set of weights. Every step
+then runs the kernels, prompt chunks too (`every_step`), and each kernel rounds a row alike whatever rows run beside
+it, so a row's bits never depend on the batch.
+
+Calls go straight to the compiled runner (`loader.run`), which costs a few microseconds a call where a
 `torch.compile`d function's guards and wrapper cost about 30.
 """
 
@@ -105,6 +113,31 @@ class _Traced(nn.Module):
             return self.fn(*inputs[n:])
 
 
+class _Frozen(nn.Module):
+    """`fn(*args)` over modules whose tensors export keeps as the kernel's constants."""
+
+    def __init__(self, modules: Sequence[nn.Module], fn: Callable) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+        self.fn = fn
+
+    def forward(self, *inputs: torch.Tensor):
+        return self.fn(*inputs)
+
+
+def frozen(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether kernels for weights of this dtype freeze them in (see the module docstring)."""
+    return dtype == torch.bfloat16 and device.type == "cpu"
+
+
+def _weights_digest(modules: Sequence[nn.Module]) -> str:
+    digest = hashlib.sha256()
+    for _, name, t in module_tensors(modules):
+        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
 class Kernel:
     """One compiled kernel: called with the tensors of the modules it was built for, then its arguments. The
     compiled code reads each input with the strides it was traced with and checks none of them: weights are
@@ -139,16 +172,17 @@ def _source_digest() -> str:
 
 
 def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: Sequence[torch.Tensor],
-                   rows: tuple[int, int], progress: Callable[[], None] | None = None, settings: str = "") -> Kernel:
+                   rows: tuple[int, int], progress: Callable[[], None] | None = None, settings: str = "",
+                   freeze: bool = False) -> Kernel:
     """Export `fn(*args)`, reading the tensors of `modules`, for args whose dim 0 (rows) is anything in
     rows = (least, most), or exactly their own when least == most; compile it with AOTInductor, or load it from the
     disk cache when compiled before. `settings` (config_settings) is what else the code depends on: two models with
     the same tensors but another MoE routing or another draft switch compile apart. `progress` is called before
-    compiling (not before loading)."""
+    compiling (not before loading). `freeze`: the modules' tensors are the kernel's constants, not its inputs."""
     if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
         raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
-    traced = _Traced(module_tensors(modules), fn)
-    tensors = [t for _, _, t in traced.entries]
+    traced = _Frozen(modules, fn) if freeze else _Traced(module_tensors(modules), fn)
+    tensors = [] if freeze else [t for _, _, t in traced.entries]
     least, most = rows
     if not least <= args[0].shape[0] <= most or (least < most and args[0].shape[0] < 2):
         raise ValueError(f"compiling {name}: example args of {args[0].shape[0]} rows for kernels of {rows} rows "
@@ -157,7 +191,8 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
     dynamic = [None] * len(tensors) + [{0: dim} if dim is not None else None for _ in args]
     key = json.dumps({
         "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows, "settings": settings,
-        "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in traced.entries],
+        "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in module_tensors(modules)],
+        "frozen": _weights_digest(modules) if freeze else None,
         "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
     path = cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
     used_path = path.with_suffix(".json")
@@ -166,7 +201,8 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
             progress()
         with warnings.catch_warnings():  # torch's notices about its own internals, nothing the user can act on
             warnings.simplefilter("ignore", FutureWarning)
-            _compile(name, traced, tensors, args, dynamic, path, used_path)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            _compile(name, traced, tensors, args, dynamic, path, used_path, freeze)
     used = json.loads(used_path.read_text())
     layout = [(list(tensors[i].shape), list(tensors[i].stride()), str(tensors[i].dtype)) for i in used]
     with warnings.catch_warnings(), _unpacked_apart():
@@ -194,13 +230,13 @@ def _unpacked_apart():
         shutil.rmtree(unpacked, ignore_errors=True)
 
 
-def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequence[torch.Tensor],
-             dynamic: list, path: Path, used_path: Path) -> None:
+def _compile(name: str, traced: _Traced | _Frozen, tensors: list[torch.Tensor], args: Sequence[torch.Tensor],
+             dynamic: list, path: Path, used_path: Path, freeze: bool = False) -> None:
     """Export and compile `traced` into the package at `path`, and which of `tensors` it reads into `used_path`."""
     with torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(traced, (*tensors, *args), dynamic_shapes=[tuple(dynamic)], strict=False)
     baked = [spec.target for spec in program.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
-    if baked:  # a tensor the modules do not hold would be frozen into the kernel, the same for every layer
+    if baked and not freeze:  # a tensor the modules do not hold would be frozen into a kernel every layer shares
         raise RuntimeError(f"compiling {name}: the traced code reads tensors it was not given: {baked}")
     placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
     used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
@@ -212,7 +248,12 @@ def _compile(name: str, traced: _Traced, tensors: list[torch.Tensor], args: Sequ
                                           strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # complete files only, even if interrupted
-        staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name))
+        # frozen: constant weights, and GEMM templates (with their AMX or AVX512-BF16 micro-kernels) tried against
+        # ATen's at compile time, each a row-wise kernel for any row count
+        configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                   "autotune_num_choices_displayed": 0} if freeze else {}
+        staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name),
+                                                          inductor_configs=configs)
         Path(tmp, used_path.name).write_text(json.dumps(used))
         os.replace(staged, path)
         os.replace(Path(tmp, used_path.name), used_path)
@@ -255,23 +296,31 @@ class CompiledTarget:
         layers = list(model.layers[:self.num_layers])
         kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
 
+        freeze = frozen(dtype, device)
+
         def calls(one_row: bool) -> list[tuple]:
             """Each call of a step: (kernel name, rows it takes, the modules whose tensors it reads, the function
             over them, example args). A kernel with MoE has a one-row form: a row's routed experts are read from
-            memory, not all of them (at batch 1 a step streams every weight it reads)."""
+            memory, not all of them (at batch 1 a step streams every weight it reads). Frozen, each layer has one
+            kernel for every row count."""
             def rows(kind: str) -> tuple[int, int]:
+                if freeze:
+                    return (1, MAX_ROWS)
                 return (1, 1) if kind == "moe" and one_row else (2 if kind == "moe" else 1, MAX_ROWS)
 
-            def name(base: str, kind: str) -> str:
+            def name(base: str, kind: str, layer: int) -> str:
+                if freeze:
+                    return f"{base}-layer{layer}"
                 return f"{base}-1row" if rows(kind) == (1, 1) else base
 
-            h, out, cos, sin = examples(1 if one_row else 2)
-            found = [(name("first", "mlp"), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
+            h, out, cos, sin = examples(1 if one_row and not freeze else 2)
+            found = [(name("first", "mlp", 0), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
                       (h, cos, sin))]
-            found += [(name(f"step-{kind}", kind), rows(kind), [*_after_parts(layers[i]),
-                                                                *_attention_parts(layers[i + 1])],
+            found += [(name(f"step-{kind}", kind, i), rows(kind), [*_after_parts(layers[i]),
+                                                                   *_attention_parts(layers[i + 1])],
                        _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
-            found.append((name(f"last-{kinds[-1]}", kinds[-1]), rows(kinds[-1]),
+            last = len(kinds) - 1
+            found.append((name(f"last-{kinds[-1]}", kinds[-1], last), rows(kinds[-1]),
                           [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
             return found
 
@@ -279,12 +328,13 @@ class CompiledTarget:
         names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
         start = time.perf_counter()
         kernels: dict[str, Kernel] = {}
+        once_for = "these weights" if freeze else "this model's shape"
         for name, rows, modules, fn, args in [call for c in both.values() for call in c]:
             if name not in kernels:  # each kernel traced through the first call that runs it
                 line = (f"compiling the decode step: kernel {len(kernels) + 1}/{len(names)} ({name}), once for "
-                        f"this model's shape (kept in {cache_dir()})")
+                        f"{once_for} (kept in {cache_dir()})")
                 told = (lambda line=line: progress(line)) if progress is not None else None
-                kernels[name] = compile_kernel(name, modules, fn, args, rows, told, config_settings(config))
+                kernels[name] = compile_kernel(name, modules, fn, args, rows, told, config_settings(config), freeze)
         self.seconds = time.perf_counter() - start
         # per row form, per call: its kernel and the tensors it passes (its own layer's)
         self.forms = {}
@@ -293,33 +343,47 @@ class CompiledTarget:
             for layer, ((kernel, weights), (name, rows, _, fn, args)) in enumerate(zip(bound, found)):
                 _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args, rows)
             self.forms[one_row] = (bound[0], bound[1:-1], bound[-1])
+        # frozen (bfloat16), every step runs the kernels, prompt chunks too, MAX_ROWS rows a call: a row's bits then
+        # never depend on which path ran it or beside which rows, which greedy decoding in bfloat16 needs
+        self.every_step = freeze
 
     @staticmethod
     def takes(attn: AttentionMetadata) -> bool:
         """Whether the compiled step runs this batch: decode and verify rows only, at most MAX_ROWS of them."""
         return attn.num_tokens <= MAX_ROWS and all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups)
 
+    def runs(self, attn: AttentionMetadata) -> bool:
+        """Whether this step runs compiled: any batch where every_step, else the ones `takes` accepts."""
+        return self.every_step or self.takes(attn)
+
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata, kv_caches: Sequence[torch.Tensor],
                 aux_hidden_state_ids: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """DeepseekV3Model.forward for a batch `takes` accepts: the same outputs."""
+        """DeepseekV3Model.forward for a batch `runs` accepts: the same outputs."""
         model = self.model
         cos, sin = (t.to(model.embed_tokens.weight.dtype) for t in model.rotary(attn.positions))
         h = model.embed_tokens(input_ids)
         captured = {0: h} if 0 in aux_hidden_state_ids else {}
         first, steps, last = self.forms[attn.num_tokens == 1]
-        kernel, weights = first
-        q, latent = kernel(weights, h, cos, sin)
+        q, latent = _in_pieces(first, h, cos, sin)
         for i in range(self.num_layers):
             out = self.attentions[i].cached_attention(q, latent, attn, kv_caches[i])
             if i + 1 < self.num_layers:
-                kernel, weights = steps[i]
-                h, q, latent = kernel(weights, h, out, cos, sin)
+                h, q, latent = _in_pieces(steps[i], h, out, cos, sin)
             else:
-                kernel, weights = last
-                normed, h = kernel(weights, h, out)
+                normed, h = _in_pieces(last, h, out)
             if i + 1 in aux_hidden_state_ids:
                 captured[i + 1] = h
         return normed, [captured[i] for i in aux_hidden_state_ids]
+
+
+def _in_pieces(call: tuple[Kernel, list[torch.Tensor]], *args: torch.Tensor) -> list[torch.Tensor]:
+    """A kernel over rows of any count: MAX_ROWS at a time (each row's outputs are its own)."""
+    kernel, weights = call
+    if args[0].shape[0] <= MAX_ROWS:
+        return kernel(weights, *args)
+    pieces = [kernel(weights, *(a[start:start + MAX_ROWS] for a in args))
+              for start in range(0, args[0].shape[0], MAX_ROWS)]
+    return [torch.cat(outputs) for outputs in zip(*pieces)]
 
 
 class _CompiledSteps:
@@ -379,7 +443,8 @@ class CompiledDraft(_CompiledSteps):
                      residual, out)),), (residual, out))]
         start = time.perf_counter()
         self.fuse, self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
-                                                              config_settings(draft.config), progress)
+                                                              config_settings(draft.config), progress,
+                                                              frozen(dtype, device))
         self.seconds = time.perf_counter() - start
 
     def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
@@ -437,7 +502,8 @@ class CompiledMTP(_CompiledSteps):
                  ("mtp-outputs-1row", after, outputs, one[3:], (1, 1))]
         start = time.perf_counter()
         self.inputs, self.outputs, self.outputs_one_row = _draft_kernels("the MTP layer", calls,
-                                                                         config_settings(draft.config), progress)
+                                                                         config_settings(draft.config), progress,
+                                                                         frozen(dtype, device))
         self.seconds = time.perf_counter() - start
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
@@ -452,16 +518,17 @@ class CompiledMTP(_CompiledSteps):
         return kernel(weights, h, out)[0]
 
 
-def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None
-                   ) -> list[tuple[Kernel, list[torch.Tensor]]]:
+def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None,
+                   freeze: bool = False) -> list[tuple[Kernel, list[torch.Tensor]]]:
     """Each (name, modules, fn, example args, rows) of a draft's step compiled (or loaded), bound to its modules'
     weights and checked against the eager function: (kernel, weights) per call."""
     kernels = []
     for n, (name, modules, fn, args, rows) in enumerate(calls):
-        line = (f"compiling {what}'s step: kernel {n + 1}/{len(calls)} ({name}), once for its shape (kept in "
-                f"{cache_dir()})")
+        line = (f"compiling {what}'s step: kernel {n + 1}/{len(calls)} ({name}), once for "
+                f"{'its weights' if freeze else 'its shape'} (kept in {cache_dir()})")
         kernel = compile_kernel(name, modules, fn, args, rows,
-                                (lambda line=line: progress(line)) if progress is not None else None, settings)
+                                (lambda line=line: progress(line)) if progress is not None else None, settings,
+                                freeze)
         weights = kernel.weights(modules)
         _check_against_eager(f"{what} ({name})", kernel, weights, fn, args, rows)
         kernels.append((kernel, weights))

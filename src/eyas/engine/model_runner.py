@@ -23,7 +23,7 @@ import torch
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
 from eyas.engine.block_proposer import BlockDraft, BlockProposer
-from eyas.engine.compiled_step import CompiledDraft, CompiledMTP, CompiledTarget
+from eyas.engine.compiled_step import CompiledDraft, CompiledMTP, CompiledTarget, frozen
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
@@ -49,9 +49,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.lanes = lanes  # the allocator's (number of lanes, blocks per lane), which attention reads in place
-        self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, self.dtype,
+        # bfloat16 weights compiled keep the latents in float32: the attention over them then rounds a row alike
+        # however many rows a step verifies (bfloat16 SDPA does not)
+        cache_dtype = torch.float32 if compiled_step and frozen(self.dtype, self.device) else self.dtype
+        self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32:  # its C kernels, built before any step
+        if self.device.type == "cpu" and torch.float32 in (self.dtype, cache_dtype):  # C kernels, built before a step
             latent_kernel.load()
             rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
@@ -107,6 +110,6 @@ class ModelRunner:
         attn = AttentionMetadata.build(batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs],
                                        self.block_size, self.device, lanes=self.lanes)
         input_ids = torch.tensor(input_ids, device=self.device)
-        if self.compiled is not None and self.compiled.takes(attn):
+        if self.compiled is not None and self.compiled.runs(attn):
             return self.compiled.forward(input_ids, attn, self.cache, aux_hidden_state_ids)
         return self.model.model(input_ids, attn, self.cache, aux_hidden_state_ids)

@@ -19,7 +19,7 @@ from torch import nn
 
 from eyas.config import DeepseekV3Config
 from eyas.models.attention import SHORT_QUERY, AttentionMetadata, paged_latent_attention, sequence_context
-from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, embedding, pack_rows
+from eyas.models.layers import MLP, RMSNorm, Rotary, apply_rope, embedding, gemv_layout, pack_rows
 from eyas.models.rows_matmul import linear_rows
 
 
@@ -99,7 +99,10 @@ class MLAttention(nn.Module):
         kv_lora_rank + rope_dim] and the latents to cache [tokens, kv_lora_rank + rope_dim]."""
         q_nope, q_rope, kv, k_rope = self._project(x, cos, sin)
         w_uk = self.w_uk if self.w_uk is not None else self._absorbed()[0]
-        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        if q_nope.dtype == torch.float32:
+            q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        else:  # a linear per head: compiled bfloat16 kernels round a batched matmul's rows by the row count
+            q_latent = torch.stack([F.linear(q_nope[:, h], w_uk[h].t()) for h in range(self.num_heads)], dim=1)
         return torch.cat([q_latent, q_rope], dim=-1), torch.cat([kv, k_rope], dim=-1)
 
     def cached_attention(self, q: torch.Tensor, latent: torch.Tensor, attn: AttentionMetadata,
@@ -424,7 +427,17 @@ class TargetHead(nn.Module):
         self.config = config
         self.model = model if model is not None else _HeadModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.float_head: nn.Linear | None = None  # set by pack()
         self.tie_weights()
+
+    def pack(self) -> None:
+        """For inference on CPU in bfloat16: a float32 copy of lm_head, so logits are float32 from the rows kernel
+        (each row's the same whatever rows run beside it; bfloat16 matmuls round a row by the row count)."""
+        weight = self.lm_head.weight
+        if self.float_head is None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            head.weight = nn.Parameter(gemv_layout(weight.detach().float()), requires_grad=False)
+            vars(self)["float_head"] = head  # not a submodule: state_dict stays the checkpoint's
 
     @property
     def tied_weights(self) -> tuple[str, ...]:
@@ -440,6 +453,8 @@ class TargetHead(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # on CPU the rows kernel: each row's logits the same whatever rows run beside it, and a few rows 2x faster
         # than BLAS (eyas.models.rows_matmul)
+        if self.float_head is not None:
+            return linear_rows(hidden.float(), self.float_head)
         return linear_rows(hidden, self.lm_head)
 
 
