@@ -282,49 +282,10 @@ class CompiledTarget:
         self.model = model
         config = model.config
         self.num_layers = config.num_hidden_layers
-        first_attn = model.layers[0].self_attn
         self.attentions = [layer.self_attn for layer in model.layers[:self.num_layers]]
         weight = model.embed_tokens.weight
-        dtype, device = weight.dtype, weight.device
-
-        def examples(rows: int) -> tuple[torch.Tensor, ...]:  # (h, out, cos, sin)
-            cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(rows, device=device)))
-            return (torch.zeros(rows, config.hidden_size, dtype=dtype, device=device),
-                    torch.zeros(rows, first_attn.num_heads, first_attn.kv_lora_rank, dtype=dtype, device=device),
-                    cos, sin)
-
-        layers = list(model.layers[:self.num_layers])
-        kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
-
-        freeze = frozen(dtype, device)
-
-        def calls(one_row: bool) -> list[tuple]:
-            """Each call of a step: (kernel name, rows it takes, the modules whose tensors it reads, the function
-            over them, example args). A kernel with MoE has a one-row form: a row's routed experts are read from
-            memory, not all of them (at batch 1 a step streams every weight it reads). Frozen, each layer has one
-            kernel for every row count."""
-            def rows(kind: str) -> tuple[int, int]:
-                if freeze:
-                    return (1, MAX_ROWS)
-                return (1, 1) if kind == "moe" and one_row else (2 if kind == "moe" else 1, MAX_ROWS)
-
-            def name(base: str, kind: str, layer: int) -> str:
-                if freeze:
-                    return f"{base}-layer{layer}"
-                return f"{base}-1row" if rows(kind) == (1, 1) else base
-
-            h, out, cos, sin = examples(1 if one_row and not freeze else 2)
-            found = [(name("first", "mlp", 0), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
-                      (h, cos, sin))]
-            found += [(name(f"step-{kind}", kind, i), rows(kind), [*_after_parts(layers[i]),
-                                                                   *_attention_parts(layers[i + 1])],
-                       _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
-            last = len(kinds) - 1
-            found.append((name(f"last-{kinds[-1]}", kinds[-1], last), rows(kinds[-1]),
-                          [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
-            return found
-
-        both = {False: calls(False), True: calls(True)}
+        freeze = frozen(weight.dtype, weight.device)
+        both = {False: _target_calls(model, False, freeze), True: _target_calls(model, True, freeze)}
         names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
         start = time.perf_counter()
         kernels: dict[str, Kernel] = {}
@@ -385,6 +346,38 @@ def _in_pieces(call: tuple[Kernel, list[torch.Tensor]], *args: torch.Tensor) -> 
               for start in range(0, args[0].shape[0], MAX_ROWS)]
     return [torch.cat(outputs) for outputs in zip(*pieces)]
 
+
+def _target_calls(model: DeepseekV3Model, one_row: bool, freeze: bool) -> list[tuple]:
+    """Each call of a step: (kernel name, rows it takes, the modules whose tensors it reads, the function over them,
+    example args). A kernel with MoE has a one-row form: a row's routed experts are read from memory, not all of them
+    (at batch 1 a step streams every weight it reads). Frozen, each layer has one kernel for every row count."""
+    config = model.config
+    layers = list(model.layers[:config.num_hidden_layers])
+    kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
+    weight, attn = model.embed_tokens.weight, layers[0].self_attn
+    dtype, device = weight.dtype, weight.device
+
+    def rows(kind: str) -> tuple[int, int]:
+        if freeze:
+            return (1, MAX_ROWS)
+        return (1, 1) if kind == "moe" and one_row else (2 if kind == "moe" else 1, MAX_ROWS)
+
+    def name(base: str, kind: str, layer: int) -> str:
+        if freeze:
+            return f"{base}-layer{layer}"
+        return f"{base}-1row" if rows(kind) == (1, 1) else base
+
+    n = 1 if one_row and not freeze else 2
+    cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(n, device=device)))
+    h = torch.zeros(n, config.hidden_size, dtype=dtype, device=device)
+    out = torch.zeros(n, attn.num_heads, attn.kv_lora_rank, dtype=dtype, device=device)
+    found = [(name("first", "mlp", 0), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
+              (h, cos, sin))]
+    found += [(name(f"step-{kind}", kind, i), rows(kind), [*_after_parts(layers[i]), *_attention_parts(layers[i + 1])],
+               _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
+    found.append((name(f"last-{kinds[-1]}", kinds[-1], len(kinds) - 1), rows(kinds[-1]),
+                  [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
+    return found
 
 class _CompiledSteps:
     """What a compiled draft passes through to the draft it wraps: everything but its steps."""
