@@ -285,7 +285,8 @@ class CompiledTarget:
         self.attentions = [layer.self_attn for layer in model.layers[:self.num_layers]]
         weight = model.embed_tokens.weight
         freeze = frozen(weight.dtype, weight.device)
-        both = {False: _target_calls(model, False, freeze), True: _target_calls(model, True, freeze)}
+        # frozen, one kernel a layer serves one row too: the one-row forms are the others
+        both = {one_row: _target_calls(model, one_row, freeze) for one_row in ((False,) if freeze else (False, True))}
         names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
         start = time.perf_counter()
         kernels: dict[str, Kernel] = {}
@@ -304,6 +305,7 @@ class CompiledTarget:
             for layer, ((kernel, weights), (name, rows, _, fn, args)) in enumerate(zip(bound, found)):
                 _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args, rows)
             self.forms[one_row] = (bound[0], bound[1:-1], bound[-1])
+        self.forms.setdefault(True, self.forms[False])
         # frozen (bfloat16), every step runs the kernels, prompt chunks too, MAX_ROWS rows a call: a row's bits then
         # never depend on which path ran it or beside which rows, which greedy decoding in bfloat16 needs
         self.every_step = freeze

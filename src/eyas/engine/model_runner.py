@@ -23,7 +23,7 @@ import torch
 from eyas.config import SpeculativeConfig
 from eyas.engine.batch import ScheduledBatch, StepOutput, VerifyLayout
 from eyas.engine.block_proposer import BlockDraft, BlockProposer
-from eyas.engine.compiled_step import CompiledDraft, CompiledMTP, CompiledTarget, frozen
+from eyas.engine.compiled_step import CompiledDraft, CompiledMTP, CompiledTarget
 from eyas.engine.kv_cache import LatentCache
 from eyas.engine.proposer import DraftHead, Proposal, Proposer
 from eyas.engine.verifier import Verifier
@@ -49,16 +49,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.lanes = lanes  # the allocator's (number of lanes, blocks per lane), which attention reads in place
-        # bfloat16 weights compiled keep the latents in float32: the attention over them then rounds a row alike
+        self.compiled = CompiledTarget(model.model, progress) if compiled_step else None
+        # a step compiled in bfloat16 keeps the latents in float32: the attention over them then rounds a row alike
         # however many rows a step verifies (bfloat16 SDPA does not)
-        cache_dtype = torch.float32 if compiled_step and frozen(self.dtype, self.device) else self.dtype
+        cache_dtype = torch.float32 if self.compiled is not None and self.compiled.every_step else self.dtype
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
         if self.device.type == "cpu" and torch.float32 in (self.dtype, cache_dtype):  # C kernels, built before a step
             latent_kernel.load()
             rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
-        self.compiled = CompiledTarget(model.model, progress) if compiled_step else None
         self.proposer = None
         if compiled_step and isinstance(draft, Eagle3Draft):
             draft = CompiledDraft(draft, progress)
