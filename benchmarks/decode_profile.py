@@ -101,14 +101,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per batch size; the median is printed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ops", type=int, default=0, help="also print torch.profiler's top N ops by self CPU time")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's dtype (default float32)")
     ap.add_argument("--enforce-eager", action="store_true", help="profile the step op by op (default: the "
                     "compiled step, as every eyas command runs on CPU)")
     args = ap.parse_args()
 
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), threads=args.threads,
-              compiled_step=not args.enforce_eager)
+              compiled_step=not args.enforce_eager, dtype=args.dtype)
     print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
-          f"{'eager' if args.enforce_eager else 'compiled step'}, torch {torch.__version__}")
+          f"{'eager' if args.enforce_eager else 'compiled step'}, {args.dtype}, torch {torch.__version__}")
     for batch in args.batch_sizes:
         seqs = start(llm, batch, args.prompt_len)
         ms = statistics.median(time_steps(llm, args.steps) for _ in range(args.rounds))

@@ -6,7 +6,8 @@
 1. One layer's attention call, float32, one thread: --batch sequences of --context positions (each sequence's
    context its own length, 0.5 to 1x --context, causal), 4 heads, 576-wide latents, 512-wide values, at 1 and 4
    positions per sequence (decode and verify at K=3); microseconds per call, the median of --repeats over --layers
-   distinct caches (as the layers of a step read them, not from cache), each kernel against SDPA.
+   distinct caches (as the layers of a step read them, not from cache), each kernel against SDPA, and the kernel
+   over the same latents kept in bfloat16 (as a bfloat16 model keeps them).
 2. The bundled target, compiled step, plain greedy decoding of 96 tokens on 3c eval prompts at most c at a time, the
    attention through the kernel and through SDPA (the kernel switched off in the same process), interleaved rounds;
    output tok/s and their ratio. Tokens must be equal.
@@ -27,8 +28,9 @@ from eyas.paths import DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
 from eyas.records import read_prompt_file
 
 
-def one_call(batch: int, context: int, positions: int, layers: int, repeats: int) -> tuple[float, float]:
-    """Microseconds per call (kernel, SDPA) over `layers` caches, median of `repeats`."""
+def one_call(batch: int, context: int, positions: int, layers: int, repeats: int) -> tuple[float, float, float]:
+    """Microseconds per call (kernel over float32 latents, kernel over bfloat16 latents, SDPA) over `layers`
+    caches, median of `repeats`."""
     heads, width, value = 4, 576, 512
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(batch, context, width, generator=generator) for _ in range(layers)]
@@ -40,6 +42,8 @@ def one_call(batch: int, context: int, positions: int, layers: int, repeats: int
             bias[b, j, length - positions + j + 1:] = float("-inf")
     head_bias = bias.repeat_interleave(heads, 1)[:, None]
 
+    halves = [kv.bfloat16() for kv in caches]
+
     def kernel(kv):
         return latent_kernel.latent_attention(q, kv, bias, 0.1, value)
 
@@ -47,17 +51,17 @@ def one_call(batch: int, context: int, positions: int, layers: int, repeats: int
         return F.scaled_dot_product_attention(q[:, None], kv[:, None], kv[:, None], attn_mask=head_bias, scale=0.1)
 
     out = []
-    for fn in (kernel, sdpa):
-        for kv in caches:
+    for fn, latents in ((kernel, caches), (kernel, halves), (sdpa, caches)):
+        for kv in latents:
             fn(kv)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            for kv in caches:
+            for kv in latents:
                 fn(kv)
             times.append((time.perf_counter() - start) / layers)
         out.append(statistics.median(times) * 1e6)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def decode_runs(concurrency: list[int], rounds: int) -> None:
@@ -102,9 +106,10 @@ def main() -> None:
         print(f"one layer's call: {args.batch} sequences, contexts {args.context // 2}-{args.context}, 4 heads, "
               "576-wide latents, float32, one thread; us per call")
         for positions in (1, 4):
-            kernel, sdpa = one_call(args.batch, args.context, positions, args.layers, args.repeats)
+            kernel, half, sdpa = one_call(args.batch, args.context, positions, args.layers, args.repeats)
             print(f"  {positions} position(s) per sequence: kernel {kernel:.0f}, SDPA {sdpa:.0f} "
-                  f"({sdpa / kernel:.2f}x)", flush=True)
+                  f"({sdpa / kernel:.2f}x); kernel over bfloat16 latents {half:.0f} ({kernel / half:.2f}x float32's)",
+                  flush=True)
     decode_runs(args.concurrency, args.rounds)
 
 

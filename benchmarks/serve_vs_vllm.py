@@ -7,10 +7,11 @@ prints output tok/s and mean TPOT per server and concurrency, and each one's rat
 run at the same concurrency. vLLM runs as users run it, in its default mode, which compiles its step (vllm-plain,
 vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
 benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). vllm-plain-bf16 is its default mode in
-bfloat16, with its AMX kernels where the CPU has AMX (vLLM's fastest mode there; eyas runs float32 on CPU). eyas
-serve runs with its defaults (the compiled step, the adaptive verify width), and with --enforce-eager
-(eyas-plain-eager, eyas-draft-eager). Every server gets --num-warmups untimed requests at each concurrency before
-its timed run. A server that does not start is reported with its log and the others still run.
+bfloat16, with its AMX kernels where the CPU has AMX (vLLM's fastest mode there). eyas serve runs with its
+defaults (float32, the compiled step, the adaptive verify width), with --enforce-eager (eyas-plain-eager,
+eyas-draft-eager) and with --dtype bfloat16 (eyas-plain-bf16, eyas-draft-bf16: the bfloat16 compiled step).
+Every server gets --num-warmups untimed requests at each concurrency before its timed run. A server that does
+not start is reported with its log and the others still run.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
 
-SERVERS = ["eyas-plain", "eyas-draft", "eyas-plain-eager", "eyas-draft-eager", "vllm-plain", "vllm-draft",
-           "vllm-plain-eager", "vllm-draft-eager", "vllm-plain-bf16"]
+SERVERS = ["eyas-plain", "eyas-draft", "eyas-plain-eager", "eyas-draft-eager", "eyas-plain-bf16", "eyas-draft-bf16",
+           "vllm-plain", "vllm-draft", "vllm-plain-eager", "vllm-draft-eager", "vllm-plain-bf16"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,11 +47,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = False
+def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = False, dtype: str = "float32"
                ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "eyas.cli", "serve", "--port", str(port), "--max-num-seqs",
-               str(max(args.concurrency)), "--no-access-log"] + (["--enforce-eager"] if eager else [])
+               str(max(args.concurrency)), "--no-access-log", "--dtype", dtype] + (["--enforce-eager"] if eager else [])
     command += ["--draft-model", str(DRAFT), "--num-speculative-tokens", str(args.num_speculative_tokens)] if draft \
         else ["--speculative-method", "none"]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,7 +93,8 @@ def main() -> int:
         log = work / f"{name}.log"
         try:
             if name.startswith("eyas"):
-                server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"))
+                server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"),
+                                         dtype="bfloat16" if name.endswith("-bf16") else "float32")
             else:
                 server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
                                          max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"),

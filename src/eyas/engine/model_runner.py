@@ -50,13 +50,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.lanes = lanes  # the allocator's (number of lanes, blocks per lane), which attention reads in place
         self.compiled = CompiledTarget(model.model, progress) if compiled_step else None
-        # a step compiled in bfloat16 keeps the latents in float32: the attention over them then rounds a row alike
-        # however many rows a step verifies (bfloat16 SDPA does not)
-        cache_dtype = torch.float32 if self.compiled is not None and self.compiled.every_step else self.dtype
+        # a step compiled in bfloat16 needs attention that rounds a row alike however many rows a step verifies:
+        # the C kernel's (its latents in bfloat16, half the bytes a step reads) or, where it does not build, SDPA
+        # over float32 latents (bfloat16 SDPA rounds a row by the rows beside it)
+        kernel = self.device.type == "cpu" and latent_kernel.load()  # C kernels are built before a step
+        cache_dtype = torch.float32 if self.compiled is not None and self.compiled.every_step and not kernel \
+            else self.dtype
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
-        if self.device.type == "cpu" and torch.float32 in (self.dtype, cache_dtype):  # C kernels, built before a step
-            latent_kernel.load()
+        if self.device.type == "cpu" and torch.float32 in (self.dtype, cache_dtype):
             rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
         self.proposer = None

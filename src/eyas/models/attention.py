@@ -241,10 +241,12 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
                            scale: float, groups: list[AttentionGroup] | None = None) -> torch.Tensor:
     """Multi-query attention where one latent per token is both key (all of it) and value (its first value_dim).
 
-    q: [num_tokens, heads, latent_dim]; latent_cache: [num_slots, latent_dim]. Returns [num_tokens, heads, value_dim].
+    q: [num_tokens, heads, latent_dim]; latent_cache: [num_slots, latent_dim]. Returns [num_tokens, heads, value_dim],
+    float32 where the C kernel reads the cache (float32 or bfloat16 on CPU), else in the cache's dtype.
     With `groups` (some of attn.groups), only their rows are computed; the others are left unset.
     """
     heads = q.shape[1]
+    q = q.to(torch.float32 if latent_kernel.reads(latent_cache) else latent_cache.dtype)
     if groups is None and len(attn.groups) == 1:
         out = _alone(q, latent_cache, attn.groups[0], value_dim, scale)
         if out is not None:

@@ -110,7 +110,7 @@ class MLAttention(nn.Module):
         """Write the rows' latents, then attend over each sequence's context in the absorbed form: [rows, heads,
         kv_lora_rank], in q's dtype."""
         latent_cache[attn.slot_mapping] = latent.to(latent_cache.dtype)
-        out = paged_latent_attention(q.to(latent_cache.dtype), latent_cache, attn, self.kv_lora_rank, self.scale)
+        out = paged_latent_attention(q, latent_cache, attn, self.kv_lora_rank, self.scale)
         return out.to(q.dtype)
 
     def absorbed_output(self, out_latent: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ class MLAttention(nn.Module):
         v_dim]; only their queries are projected into the latent space."""
         w_uk = self.w_uk if self.w_uk is not None else self._absorbed()[0]
         q_latent = torch.matmul(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # [rows, heads, kv_lora_rank]
-        q = torch.cat([q_latent, q_rope[rows]], dim=-1).to(latent_cache.dtype)
+        q = torch.cat([q_latent, q_rope[rows]], dim=-1)
         full = q.new_empty(attn.num_tokens, *q.shape[1:])  # the groups' rows only: their padding reads them too
         full[rows] = q
         out_latent = paged_latent_attention(full, latent_cache, attn, self.kv_lora_rank, self.scale, groups)[rows]

@@ -1,21 +1,32 @@
-/* Decode and verify attention over MLA latents, float32, one thread: the kernel `eyas.models.latent_kernel` builds.
+/* Decode and verify attention over MLA latents on one thread, in float32 arithmetic over latents kept in float32 or
+   bfloat16: the kernel `eyas.models.latent_kernel` builds.
 
    Per batch row b: R query rows (a sequence's verify positions x heads) over S context positions whose one latent
-   of D floats is the key (all of it) and the value (its first DV floats). scores = q . k * scale + bias (bias 0 or
-   -inf: the causal mask), softmax over S, out = sum of p * v.
+   of D numbers is the key (all of it) and the value (its first DV). scores = q . k * scale + bias (bias 0 or -inf:
+   the causal mask), softmax over S, out = sum of p * v.
 
    torch's fused SDPA multiplies [a few query rows x D] by [D x 512 positions] blocks, packing every block of the
-   latents for a matrix product whose other side has only a few rows; here each latent is read once per block of
-   query rows and used at once, from L1, by every row of the block. Each row's result is computed by the same
-   operations in the same order whatever the other rows are: decode and verify give the same numbers. */
+   latents for a matrix product whose other side has only a few rows. Here four query rows meet four latents at a
+   time, all sixteen dot products in registers, each latent read from memory once per block of query rows; the
+   sixteen are summed across their lanes together, by one tree of shuffles. Each row's result is computed by the
+   same operations in the same order whatever the other rows are (a missing row of a group of four computes a copy
+   of a present one, a missing position a copy of the last): decode and verify give the same numbers. Every
+   multiply-add is fused (the vector ones by -ffp-contract=fast, the scalar ones by fmaf), so latents in bfloat16
+   give what their float32 values give. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16      /* one AVX-512 register of floats: the compiler vectorises each 16-wide loop */
-#define ROW_BLOCK 8   /* query rows that share each latent while it is in L1 */
+#define LANES 16      /* one AVX-512 register of floats: the compiler vectorises each 16-wide operation */
+#define ROW_BLOCK 8   /* query rows whose scores are kept for a block of the context */
+#define GROUP 4       /* query rows, and positions, scored together: 16 dot products in registers */
+#define AHEAD 4       /* latents prefetched this many positions ahead of the scores */
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 /* exp(x) for x <= 0 to about 1 ulp, written so the compiler vectorises it (the C library's expf is a call per
    element): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor polynomial, 2^n from the exponent bits. */
@@ -35,132 +46,197 @@ static inline float exp_nonpositive(float x) {
     return p * two_n.f;
 }
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));  /* one AVX-512 register */
-
 static inline vec load(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* The lanes of a + b summed as a tree, in a fixed order. */
-static inline float lanes_sum(vec a, vec b) {
-    float x[LANES];
-    vec both = a + b;
-    memcpy(x, &both, sizeof x);
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) x[l] += x[l + w];
-    return x[0];
+/* LANES numbers of a latent from element i on: float32, or bfloat16 (the high half of a float32's bits). The
+   `half` argument is a constant at every call, so each kernel below is compiled for one storage type. */
+static inline vec load_latent(const void *latent, int64_t i, int half) {
+    if (!half) return load((const float *)latent + i);
+    hvec h;
+    memcpy(&h, (const uint16_t *)latent + i, sizeof h);
+    uvec u = __builtin_convertvector(h, uvec) << 16;
+    vec v;
+    memcpy(&v, &u, sizeof v);
+    return v;
 }
 
-/* dots[r] = q_r . k for the N query rows at q (row stride D): two accumulators per row, 2N independent chains of
-   multiply-adds, over the widest multiple of 2 * LANES; the rest of the width one by one. */
-#define DEFINE_SCORES(N)                                                                             \
-    static void scores_##N(const float *q, const float *k, int64_t D, float *dots) {                 \
-        vec even[N] = {0}, odd[N] = {0};                                                             \
-        int64_t wide = D - D % (2 * LANES);                                                          \
-        for (int64_t d = 0; d < wide; d += 2 * LANES) {                                              \
-            vec k0 = load(k + d), k1 = load(k + d + LANES);                                          \
-            for (int r = 0; r < N; r++) {                                                            \
-                even[r] += load(q + r * D + d) * k0;                                                 \
-                odd[r] += load(q + r * D + d + LANES) * k1;                                          \
-            }                                                                                        \
-        }                                                                                            \
-        for (int r = 0; r < N; r++) {                                                                \
-            dots[r] = lanes_sum(even[r], odd[r]);                                                    \
-            for (int64_t d = wide; d < D; d++) dots[r] += q[r * D + d] * k[d];                       \
-        }                                                                                            \
-    }
-DEFINE_SCORES(1) DEFINE_SCORES(2) DEFINE_SCORES(3) DEFINE_SCORES(4)
-DEFINE_SCORES(5) DEFINE_SCORES(6) DEFINE_SCORES(7) DEFINE_SCORES(8)
-static void (*const SCORES[ROW_BLOCK + 1])(const float *, const float *, int64_t, float *) = {
-    NULL, scores_1, scores_2, scores_3, scores_4, scores_5, scores_6, scores_7, scores_8};
+static inline float latent_at(const void *latent, int64_t i, int half) {
+    if (!half) return ((const float *)latent)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)latent)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
-/* out[r] = sum over s in [begin, end) of p[r][s] * v_s (the first DV floats of latent s) for N rows, 2 * LANES
-   columns at a time held in registers across the positions; the columns past the widest multiple of 2 * LANES one
-   by one. */
-#define DEFINE_VALUES(N)                                                                             \
-    static void values_##N(const float *p, int64_t S, const float *k, int64_t stride, int64_t begin, \
-                           int64_t end, int64_t DV, float *out) {                                    \
-        int64_t wide = DV - DV % (2 * LANES);                                                        \
-        for (int64_t d = wide; d < DV; d++)                                                          \
-            for (int r = 0; r < N; r++) {                                                            \
-                float acc = 0.0f;                                                                    \
-                for (int64_t s = begin; s < end; s++) acc += p[r * S + s] * k[s * stride + d];       \
-                out[r * DV + d] = acc;                                                               \
-            }                                                                                        \
-        for (int64_t d = 0; d < wide; d += 2 * LANES) {                                              \
-            vec low[N] = {0}, high[N] = {0};                                                         \
-            for (int64_t s = begin; s < end; s++) {                                                  \
-                vec v0 = load(k + s * stride + d), v1 = load(k + s * stride + d + LANES);            \
-                for (int r = 0; r < N; r++) {                                                        \
-                    float w = p[r * S + s];                                                          \
-                    low[r] += w * v0;                                                                \
-                    high[r] += w * v1;                                                               \
-                }                                                                                    \
-            }                                                                                        \
-            for (int r = 0; r < N; r++) {                                                            \
-                memcpy(out + r * DV + d, &low[r], sizeof(vec));                                      \
-                memcpy(out + r * DV + d + LANES, &high[r], sizeof(vec));                             \
-            }                                                                                        \
-        }                                                                                            \
-    }
-DEFINE_VALUES(1) DEFINE_VALUES(2) DEFINE_VALUES(3) DEFINE_VALUES(4)
-DEFINE_VALUES(5) DEFINE_VALUES(6) DEFINE_VALUES(7) DEFINE_VALUES(8)
-static void (*const VALUES[ROW_BLOCK + 1])(const float *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t,
-                                           float *) = {
-    NULL, values_1, values_2, values_3, values_4, values_5, values_6, values_7, values_8};
+/* The lanes of each of a[0..15] summed, into lane j of the result for a[j]: every sum by the same tree
+   ((x0 + x8) + (x4 + x12)) + ... whatever its j. */
+static inline vec lanes_sums(const vec a[16]) {
+    vec t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = __builtin_shufflevector(a[i], a[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(a[i], a[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        u[i] = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(u[i], u[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + __builtin_shufflevector(u[i], u[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
 
-/* q [B, R, D] contiguous; kv: latent s of batch row b at kv + b * kv_batch_stride + s * kv_row_stride; bias
-   [B, R / H, S] contiguous, query row r reading bias row r / H (H: a position's heads); out [B, R, DV] contiguous.
-   Returns 0; -1 when out of memory, -2 for shapes it does not take (DV > D, R not a multiple of H), -3 when a query
-   row sees no position. */
+/* dots[r * GROUP + j] = q[r] . latent[j] for four query rows and four latents of D numbers. */
+static inline void scores_4x4(const float *const q[GROUP], const void *const latent[GROUP], int64_t D, int half,
+                              float dots[GROUP * GROUP]) {
+    vec acc[GROUP * GROUP] = {0};
+    int64_t wide = D - D % LANES;
+    for (int64_t d = 0; d < wide; d += LANES) {
+        vec k[GROUP];
+        for (int j = 0; j < GROUP; j++) k[j] = load_latent(latent[j], d, half);
+        for (int r = 0; r < GROUP; r++) {
+            vec qr = load(q[r] + d);
+            for (int j = 0; j < GROUP; j++) acc[r * GROUP + j] += qr * k[j];
+        }
+    }
+    vec sums = lanes_sums(acc);
+    memcpy(dots, &sums, sizeof sums);
+    for (int r = 0; r < GROUP; r++)
+        for (int j = 0; j < GROUP; j++)
+            for (int64_t d = wide; d < D; d++)
+                dots[r * GROUP + j] = fmaf(q[r][d], latent_at(latent[j], d, half), dots[r * GROUP + j]);
+}
+
+/* out[r] = sum over s in [begin, end) of p[r][s] * (the first DV numbers of latent s), for four rows, 4 * LANES
+   columns at a time in registers across the positions, then LANES at a time, then one by one: each column's sum
+   is the same sequence of multiply-adds in every case. */
+static inline void values_4(const float *const p[GROUP], const char *kv, int64_t stride, int64_t begin,
+                            int64_t end, int64_t DV, int half, float *const out[GROUP]) {
+    int64_t d = 0;
+    for (; d + 4 * LANES <= DV; d += 4 * LANES) {
+        vec acc[GROUP][4] = {{0}};
+        for (int64_t s = begin; s < end; s++) {
+            const void *v = kv + s * stride;
+            vec v0 = load_latent(v, d, half), v1 = load_latent(v, d + LANES, half);
+            vec v2 = load_latent(v, d + 2 * LANES, half), v3 = load_latent(v, d + 3 * LANES, half);
+            for (int r = 0; r < GROUP; r++) {
+                float w = p[r][s];
+                acc[r][0] += w * v0;
+                acc[r][1] += w * v1;
+                acc[r][2] += w * v2;
+                acc[r][3] += w * v3;
+            }
+        }
+        for (int r = 0; r < GROUP; r++) memcpy(out[r] + d, acc[r], sizeof acc[r]);
+    }
+    for (; d + LANES <= DV; d += LANES) {
+        vec acc[GROUP] = {0};
+        for (int64_t s = begin; s < end; s++) {
+            vec v0 = load_latent(kv + s * stride, d, half);
+            for (int r = 0; r < GROUP; r++) acc[r] += p[r][s] * v0;
+        }
+        for (int r = 0; r < GROUP; r++) memcpy(out[r] + d, &acc[r], sizeof acc[r]);
+    }
+    for (; d < DV; d++)
+        for (int r = 0; r < GROUP; r++) {
+            float acc = 0.0f;
+            for (int64_t s = begin; s < end; s++) acc = fmaf(p[r][s], latent_at(kv + s * stride, d, half), acc);
+            out[r][d] = acc;
+        }
+}
+
+/* Softmax of p[begin..end) in place; -1 when no position is visible. */
+static inline int softmax(float *p, int64_t begin, int64_t end) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t s = begin; s < end; s++) top = p[s] > top ? p[s] : top;
+    if (top == -INFINITY) return -1;
+    for (int64_t s = begin; s < end; s++) p[s] = exp_nonpositive(p[s] - top);
+    for (int64_t s = begin; s < end; s++) total += p[s];
+    float inverse = 1.0f / total;
+    for (int64_t s = begin; s < end; s++) p[s] *= inverse;
+    return 0;
+}
+
+/* One batch row's block of `rows` (<= ROW_BLOCK) query rows at qb over the latents at k (element stride `stride`
+   bytes apart), mask rows of S, out rows at o. p: ROW_BLOCK * S floats of scratch, spare: DV floats. */
+static inline int attend_block(const float *qb, const char *k, int64_t stride, const float *mask, int64_t H,
+                               int64_t r0, int64_t rows, int64_t S, int64_t D, int64_t DV, float scale, int half,
+                               float *p, float *spare, float *o) {
+    /* the positions some row of the block sees: nothing outside them is read (a cache slot past a context may
+       hold anything) */
+    int64_t begin = S, end = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < S; s++)
+            if (mask[(r0 + r) / H * S + s] != -INFINITY) {
+                begin = s < begin ? s : begin;
+                end = s + 1 > end ? s + 1 : end;
+            }
+    if (begin >= end) return -3;
+    for (int64_t g = 0; g < rows; g += GROUP) {
+        const float *q[GROUP];
+        for (int r = 0; r < GROUP; r++) q[r] = qb + (g + r < rows ? g + r : g) * D;
+        for (int64_t s = begin; s < end; s += GROUP) {  /* scores: four latents read once for the group's rows */
+            const void *latent[GROUP];
+            for (int j = 0; j < GROUP; j++) latent[j] = k + (s + j < end ? s + j : end - 1) * stride;
+            for (int j = 0; j < GROUP && s + AHEAD + j < end; j++)
+                for (int64_t d = 0; d < D * (half ? 2 : 4); d += 64)
+                    __builtin_prefetch(k + (s + AHEAD + j) * stride + d, 0, 3);
+            float dots[GROUP * GROUP];
+            scores_4x4(q, latent, D, half, dots);
+            for (int r = 0; r < GROUP && g + r < rows; r++)
+                for (int j = 0; j < GROUP && s + j < end; j++) {
+                    float m = mask[(r0 + g + r) / H * S + s + j];
+                    p[(g + r) * S + s + j] = m == -INFINITY ? -INFINITY : dots[r * GROUP + j] * scale + m;
+                }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        if (softmax(p + r * S, begin, end)) return -3;
+    for (int64_t g = 0; g < rows; g += GROUP) {
+        const float *pr[GROUP];
+        float *out[GROUP];
+        for (int r = 0; r < GROUP; r++) {
+            pr[r] = p + (g + r < rows ? g + r : g) * S;
+            out[r] = g + r < rows ? o + (g + r) * DV : spare;
+        }
+        values_4(pr, k, stride, begin, end, DV, half, out);
+    }
+    return 0;
+}
+
+/* q [B, R, D] float32 contiguous; kv: latent s of batch row b at kv + (b * kv_batch_stride + s * kv_row_stride)
+   elements, float32 or (half) bfloat16; bias [B, R / H, S] contiguous, query row r reading bias row r / H (H: a
+   position's heads); out [B, R, DV] contiguous. Returns 0; -1 when out of memory, -2 for shapes it does not take
+   (DV > D, R not a multiple of H), -3 when a query row sees no position. */
+static inline int latent_attention(const float *q, const void *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
+                                   const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D,
+                                   int64_t DV, float scale, float *out, int half) {
+    if (DV > D || H < 1 || R % H) return -2;
+    int64_t size = half ? 2 : 4;
+    float *p = malloc(sizeof(float) * (ROW_BLOCK * (S > 0 ? S : 1) + DV));
+    if (p == NULL) return -1;
+    int code = 0;
+    for (int64_t b = 0; b < B && code == 0; b++)
+        for (int64_t r0 = 0; r0 < R && code == 0; r0 += ROW_BLOCK)
+            code = attend_block(q + (b * R + r0) * D, (const char *)kv + b * kv_batch_stride * size,
+                                kv_row_stride * size, bias + b * (R / H) * S, H, r0,
+                                R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK, S, D, DV, scale, half,
+                                p, p + ROW_BLOCK * (S > 0 ? S : 1), out + (b * R + r0) * DV);
+    free(p);
+    return code;
+}
+
 int latent_attention_f32(const float *q, const float *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
                          const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D, int64_t DV,
                          float scale, float *out) {
-    if (DV > D || H < 1 || R % H) return -2;
-    float *p = malloc(sizeof(float) * ROW_BLOCK * (S > 0 ? S : 1));
-    if (p == NULL) return -1;
-    int code = 0;
-    for (int64_t b = 0; b < B && code == 0; b++) {
-        const float *k = kv + b * kv_batch_stride;
-        for (int64_t r0 = 0; r0 < R && code == 0; r0 += ROW_BLOCK) {
-            int64_t rows = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
-            const float *qb = q + (b * R + r0) * D;
-            const float *mask = bias + b * (R / H) * S;
-            float *o = out + (b * R + r0) * DV;
-            /* the positions some row of the block sees: nothing outside them is read (a cache slot past a
-               context may hold anything) */
-            int64_t begin = S, end = 0;
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t s = 0; s < S; s++)
-                    if (mask[(r0 + r) / H * S + s] != -INFINITY) {
-                        begin = s < begin ? s : begin;
-                        end = s + 1 > end ? s + 1 : end;
-                    }
-            float dots[ROW_BLOCK];
-            for (int64_t s = begin; s < end; s++) {  /* scores: latent s read once for the block's rows */
-                SCORES[rows](qb, k + s * kv_row_stride, D, dots);
-                for (int64_t r = 0; r < rows; r++) {
-                    float m = mask[(r0 + r) / H * S + s];
-                    p[r * S + s] = m == -INFINITY ? -INFINITY : dots[r] * scale + m;
-                }
-            }
-            for (int64_t r = 0; r < rows && code == 0; r++) {  /* softmax of each row over begin..end */
-                float *pr = p + r * S, top = -INFINITY, total = 0.0f;
-                for (int64_t s = begin; s < end; s++) top = pr[s] > top ? pr[s] : top;
-                if (top == -INFINITY) {  /* a row that sees nothing */
-                    code = -3;
-                    break;
-                }
-                for (int64_t s = begin; s < end; s++) pr[s] = exp_nonpositive(pr[s] - top);
-                for (int64_t s = begin; s < end; s++) total += pr[s];
-                float inverse = 1.0f / total;
-                for (int64_t s = begin; s < end; s++) pr[s] *= inverse;
-            }
-            if (code == 0) VALUES[rows](p, S, k, kv_row_stride, begin, end, DV, o);
-        }
-    }
-    free(p);
-    return code;
+    return latent_attention(q, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out, 0);
+}
+
+int latent_attention_bf16(const float *q, const uint16_t *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
+                          const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D, int64_t DV,
+                          float scale, float *out) {
+    return latent_attention(q, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out, 1);
 }
