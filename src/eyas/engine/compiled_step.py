@@ -48,7 +48,7 @@ from torch import nn
 
 from eyas.models import deepseek_v3, eagle3, layers
 from eyas.models.attention import SHORT_QUERY, AttentionMetadata
-from eyas.models.deepseek_v3 import DecoderLayer, DeepseekV3Model, MLAttention
+from eyas.models.deepseek_v3 import DecoderLayer, DeepseekV3Model, MLAttention, MoE
 from eyas.models.eagle3 import Eagle3Draft
 from eyas.models.mtp import MTPDraft
 from eyas.paths import compiled_dir as cache_dir
@@ -285,6 +285,10 @@ class CompiledTarget:
         self.attentions = [layer.self_attn for layer in model.layers[:self.num_layers]]
         weight = model.embed_tokens.weight
         freeze = frozen(weight.dtype, weight.device)
+        if freeze:
+            for layer in model.layers[:self.num_layers]:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.pack_all()
         # frozen, one kernel a layer serves one row too: the one-row forms are the others
         both = {one_row: _target_calls(model, one_row, freeze) for one_row in ((False,) if freeze else (False, True))}
         names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
