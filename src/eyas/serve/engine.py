@@ -75,6 +75,11 @@ class EngineRequest:
             pass
 
 
+def _put_each(items: list[tuple[asyncio.Queue, Update]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
+
+
 class EngineLoop:
     def __init__(self, llm: LLM, metrics: ServerMetrics, grammar_timeout: float = GRAMMAR_TIMEOUT_S,
                  max_prompt_tokens: int | None = None) -> None:
@@ -232,7 +237,10 @@ class EngineLoop:
             raise ApiError(400, f"{param}: {e}", param=param) from e
 
     def _publish(self) -> None:
-        """Send each live request the text and tokens it has not seen yet; retire the finished ones."""
+        """Send each live request the text and tokens it has not seen yet; retire the finished ones. A step's
+        updates reach the event loop in one wake-up, not one per request (each a write to the loop's pipe and a
+        turn of its selector, with the engine thread waiting for the lock the event loop holds)."""
+        updates: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Update]]] = {}
         for req in list(self.live.values()):
             seq = req.seq
             if seq.num_generated == req.num_sent_tokens and not seq.is_finished:
@@ -246,8 +254,14 @@ class EngineLoop:
             req.num_sent_tokens = seq.num_generated
             if seq.is_finished:
                 self._finish(req, seq.finish_reason)
-            req.deliver(Update(delta, new_ids, seq.num_prompt_tokens, seq.num_generated,
-                               seq.finish_reason if seq.is_finished else None, logprobs))
+            updates.setdefault(req.loop, []).append((req.queue, Update(
+                delta, new_ids, seq.num_prompt_tokens, seq.num_generated,
+                seq.finish_reason if seq.is_finished else None, logprobs)))
+        for loop, items in updates.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                pass
 
     def _logprob_entries(self, logprobs: list[TokenLogprobs]) -> list[LogprobEntry]:
         """Token ids -> text here, in the thread that owns the tokenizer. Each token is decoded alone, so a piece
