@@ -17,7 +17,7 @@ from eyas.config import SpeculativeConfig
 from eyas.engine.acceptance import AcceptanceRule, VerifyRows
 from eyas.engine.batch import VerifyLayout
 from eyas.engine.grammar import apply_bitmask
-from eyas.engine.sampling import TokenLogprobs, process_logits, sample, token_logprobs
+from eyas.engine.sampling import TokenLogprobs, greedy_ids, process_logits, sample, token_logprobs
 from eyas.engine.sequence import Sequence
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -82,7 +82,7 @@ class Verifier:
         """The greedy rule on all rows at once: the same choices as the general path (process_logits gives a
         greedy row log_softmax(logits / 1.0), and every rule takes its argmax) without its per-row tensors, which
         at batch 1 cost more than the target's lm_head."""
-        choices = logits.float().log_softmax(-1).argmax(-1).tolist()
+        choices = greedy_ids(logits.float().log_softmax(-1)).tolist()
         for r, (i, seq, n) in enumerate(zip(layout.sampling, seqs, num_drafts)):
             rows = choices[layout.logit_offsets[r]:layout.logit_offsets[r] + n + 1]
             accepted = 0

@@ -60,6 +60,9 @@ class AttentionGroup:
     # a sequence alone over one run of the cache: its bias [max_query_len, max_seq_len] as the latent kernel reads
     # it, when the kernel takes the group's calls (set by the first layer that attends, see _alone); False: it does not
     alone_bias: torch.Tensor | bool | None = None
+    # every batch row holds max_query_len valid queries and the rows run first_row, first_row + 1, ...: the padded
+    # queries are a view of q and the output rows need no gather (a decode or verify step of sequences in lanes)
+    packed: bool = False
 
 
 @dataclass(slots=True)
@@ -234,7 +237,9 @@ def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_st
         in_order = lanes == sorted(lanes)
     return AttentionGroup(rows=query_rows[query_valid].to(device), query_rows=query_rows.to(device),
                           query_valid=query_valid.to(device), kv_slots=kv_slots, kv_view=kv_view,
-                          attn_bias=attn_bias.to(device), first_row=starts[members[0]], in_flat_order=in_order)
+                          attn_bias=attn_bias.to(device), first_row=starts[members[0]], in_flat_order=in_order,
+                          packed=bool(query_valid.all()) and torch.equal(query_rows.flatten(), torch.arange(
+                              starts[members[0]], starts[members[0]] + query_rows.numel())))
 
 
 def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: AttentionMetadata, value_dim: int,
@@ -274,7 +279,9 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
                 out = F.scaled_dot_product_attention(queries.unsqueeze(1), kv.unsqueeze(1), kv.unsqueeze(1),
                                                      attn_mask=group.head_bias, scale=scale)[:, 0, :, :value_dim]
         out = out.view(batch, max_q, heads, value_dim)
-        return out[0] if batch == 1 else out[group.query_valid]  # [group_tokens, heads, value_dim]
+        if batch == 1 or group.packed:
+            return out.reshape(-1, heads, value_dim)  # [group_tokens, heads, value_dim]
+        return out[group.query_valid]
 
     return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
 
@@ -364,6 +371,8 @@ def _queries(q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     """The group's queries padded to [batch, max_q, ...]; a one-sequence group is a slice of q, not a gather."""
     if group.query_rows.shape[0] == 1:
         return q[group.first_row:group.first_row + group.query_rows.shape[1]].unsqueeze(0)
+    if group.packed:
+        return q[group.first_row:group.first_row + group.query_rows.numel()].view(*group.query_rows.shape, *q.shape[1:])
     return q[group.query_rows]
 
 
