@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the target's dtype (default float32)")
     ap.add_argument("--enforce-eager", action="store_true", help="both engines op by op (default: the compiled step, "
                     "as every eyas command runs on CPU)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best is kept")
@@ -65,7 +67,7 @@ def main() -> None:
     rate = args.synthetic_acceptance_rate
     print(f"model {args.model.name}, {args.speculative_method} K={args.num_speculative_tokens}, "
           f"{'synthetic acceptance ' + str(rate) if rate is not None else 'real acceptance'}, "
-          f"threads {args.threads}, {args.new_tokens} new tokens, greedy, "
+          f"threads {args.threads}, {args.dtype}, {args.new_tokens} new tokens, greedy, "
           f"{'eager' if args.enforce_eager else 'compiled step'}")
     # speedup / AL: the share of the acceptance length that reaches the user (1 when a speculative step costs what
     # a plain step costs)
@@ -73,8 +75,9 @@ def main() -> None:
           "  same tokens")
     for batch in args.batch_sizes:
         # at most `batch` sequences at a time; with --prompts every prompt runs (batch 1: one after another)
-        plain = LLM(args.model, max_num_seqs=batch, compiled_step=not args.enforce_eager)
-        spec = LLM(args.model, max_num_seqs=batch, speculative_config=config, compiled_step=not args.enforce_eager)
+        plain = LLM(args.model, max_num_seqs=batch, compiled_step=not args.enforce_eager, dtype=args.dtype)
+        spec = LLM(args.model, max_num_seqs=batch, speculative_config=config, compiled_step=not args.enforce_eager,
+                   dtype=args.dtype)
         batch_prompts = prompts if args.prompts else [prompts[i % len(prompts)] for i in range(batch)]
         timed(plain, batch_prompts, SamplingParams(temperature=0, max_tokens=8))  # warm-up
         timed(spec, batch_prompts, SamplingParams(temperature=0, max_tokens=8))
