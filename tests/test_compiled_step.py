@@ -151,6 +151,7 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
     monkeypatch.setattr(DeepseekV3Model, "forward", lambda *a: pytest.fail("a step ran the eager layers"))
     expected = [alone.generate([p], params)[0].token_ids for p in PROMPTS]
     assert alone.runner.cache.tensors.dtype == alone.model.lm_head.weight.dtype == torch.bfloat16
+    assert all(layer.mlp.all_gate_up is not None for layer in alone.model.model.layers[1:])  # MoE.pack_all's linears
     first, steps, last = alone.runner.compiled.forms[False]
     assert alone.runner.compiled.forms[True] == (first, steps, last)  # one kernel a layer, for every row count
     config, model = alone.model.config, alone.model.model
@@ -193,3 +194,27 @@ def test_enforce_eager_and_where_the_step_compiles(monkeypatch):
     assert not EngineArgs.from_cli_args(parser.parse_args([])).compiled_step
     with pytest.raises(ValueError, match="compiled step runs on CPU only"):
         LLM(device="cuda", compiled_step=True)
+
+
+def test_the_moe_runs_every_expert_as_two_linears_only_where_a_token_chooses_a_large_share():
+    """MoE.pack_all (the frozen kernels' MoE): every expert over every row, the routing weights between the two
+    linears, gives what each row's chosen experts give; with 16 experts for 2 a token it keeps the chosen slices."""
+    from tiny import BASE
+
+    from eyas.config import DeepseekV3Config
+    from eyas.models.deepseek_v3 import MoE
+
+    torch.manual_seed(0)
+    for experts, packs in ((8, True), (16, False)):
+        moe = MoE(DeepseekV3Config.from_dict({**BASE, "n_routed_experts": experts, "model_type": "deepseek_v3",
+                                              "architectures": ["DeepseekV3ForCausalLM"]}))
+        for p in moe.parameters():
+            p.data.normal_(0, 0.2)
+        moe.gate.e_score_correction_bias.normal_(0, 0.1)
+        moe.eval().pack()
+        x = torch.randn(7, BASE["hidden_size"])
+        expert_ids, weights = moe.route(x)
+        assert moe.pack_all() is packs and (moe.all_gate_up is not None) is packs
+        if packs:
+            torch.testing.assert_close(moe._all_linear(x, expert_ids, weights),
+                                       moe._few_tokens(x, expert_ids, weights), rtol=1e-5, atol=1e-6)
