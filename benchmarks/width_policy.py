@@ -34,7 +34,8 @@ from eyas.records import read_prompt_file
 
 def engines(args: argparse.Namespace) -> dict[str, LLM]:
     """name -> engine: plain, fixed-0..fixed-K, adaptive; one lane per sequence up to the largest concurrency."""
-    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads, compiled_step=not args.enforce_eager)
+    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads, compiled_step=not args.enforce_eager,
+                  dtype=args.dtype)
     method = "dflash" if read_dflash_config(args.draft_model) is not None else "eagle"  # a block draft, or a chain
     out = {"plain": LLM(args.model, **common)}
     top = max(args.concurrency)
@@ -109,6 +110,8 @@ def run_args(doc: str, warmup_runs: int) -> argparse.ArgumentParser:
     ap.add_argument("--warmup-runs", type=int, default=warmup_runs,
                     help=f"untimed runs per engine and concurrency (default {warmup_runs})")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the target's dtype (default float32)")
     ap.add_argument("--out", type=Path, help="write the report here as JSON")
     return ap
 
