@@ -151,7 +151,8 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
     monkeypatch.setattr(DeepseekV3Model, "forward", lambda *a: pytest.fail("a step ran the eager layers"))
     expected = [alone.generate([p], params)[0].token_ids for p in PROMPTS]
     assert alone.runner.cache.tensors.dtype == alone.model.lm_head.weight.dtype == torch.bfloat16
-    assert all(layer.mlp.all_gate_up is not None for layer in alone.model.model.layers[1:])  # MoE.pack_all's linears
+    moe_layers = alone.model.model.layers[alone.model.config.first_k_dense_replace:alone.model.config.num_hidden_layers]
+    assert moe_layers and all(layer.mlp.all_gate_up is not None for layer in moe_layers)  # MoE.pack_all's linears
     first, steps, last = alone.runner.compiled.forms[False]
     assert alone.runner.compiled.forms[True] == (first, steps, last)  # one kernel a layer, for every row count
     config, model = alone.model.config, alone.model.model

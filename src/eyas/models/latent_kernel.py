@@ -5,9 +5,10 @@ At 16 sequences of the eval prompts the attention over the paged latents was 40%
 torch's fused SDPA ran it at about 5 GB/s of latents against some 19 GB/s that one core streams: its blocks pack
 every 512 positions of latents for a product with only a few query rows. The kernel reads each latent once per
 block of query rows and computes each row the same way whatever the other rows are. A step's latents at 32
-sequences (some 130 MB over the bundled target's 8 layers at 220-token contexts) come from memory, not cache:
-there a decode call took 1.8 ms a layer over float32 latents and 1.4 ms over bfloat16 ones, where it took 2.7 ms
-while it scored one latent at a time (`python benchmarks/latent_attention.py --batch 32 --context 220`).
+sequences (some 130 MB over the bundled target's 8 layers at 220-token contexts) come from memory, not cache,
+and bfloat16 latents halve them: `python benchmarks/latent_attention.py --batch 32 --context 220` (contexts of 110
+to 220 positions, one thread) times a decode call at 1470 us over float32 latents, 1068 over bfloat16 ones and 2104
+through SDPA; scoring one latent at a time, as this kernel first did, took about 1.4x as long.
 
 It is built as eyas.models.c_kernels builds every C kernel; where none builds, attention falls back to SDPA with a
 warning, once. Large calls split their sequences among threads as SDPA's would (`threads`): the C function
