@@ -385,6 +385,7 @@ def _target_calls(model: DeepseekV3Model, one_row: bool, freeze: bool) -> list[t
                   [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
     return found
 
+
 class _CompiledSteps:
     """What a compiled draft passes through to the draft it wraps: everything but its steps."""
 

@@ -273,8 +273,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(x)
-        # both paths add expert outputs in ascending expert order: the summation order does not depend on the path
-        # (the last bits still can: CPU matmuls round differently for different row counts)
+        # the eager paths add expert outputs in ascending expert order: the summation order does not depend on the
+        # path (the last bits still can: CPU matmuls round differently for different row counts); the frozen
+        # kernels' _all_linear sums inside its matmul, and there every step runs it
         if torch.compiler.is_compiling() and self.all_gate_up is not None:
             out = self._all_linear(x, expert_ids, weights)
         elif torch.compiler.is_compiling() and self.stacked_gate_up is not None:
@@ -292,8 +293,7 @@ class MoE(nn.Module):
         """Decode and verify rows: each chosen expert runs once over all the rows, and each row keeps the expert's
         output times its routing weight, 0 where the row did not choose it. Extra rows cost a small-batch matmul
         next to nothing (it reads the same weights); the gather and scatter of the grouped path cost more."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-        dense.scatter_(1, expert_ids, weights.to(x.dtype))  # [rows, num_experts]
+        dense = self._dense_weights(x, expert_ids, weights)
         chosen = sorted(set(expert_ids.flatten().tolist()))
         if self.stacked_gate_up is not None and 2 * len(chosen) >= len(self.experts):
             return self._all_experts(x, dense)
@@ -301,6 +301,11 @@ class MoE(nn.Module):
         for e in chosen:
             out += self.experts[e](x) * dense[:, e, None]
         return out
+
+    def _dense_weights(self, x, expert_ids, weights):
+        """Each row's routing weight for every expert, 0 where it did not choose it: [rows, num_experts]."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        return dense.scatter(1, expert_ids, weights.to(x.dtype))
 
     def _all_experts(self, x, dense):
         """_few_tokens when the rows choose at least half the experts (batched decode: 16 rows choose nearly all 8
@@ -315,8 +320,7 @@ class MoE(nn.Module):
         """Every expert over every row, its output times the row's routing weight for it (0 where not chosen):
         gate_up of all experts as one linear, down over all experts' weighted outputs as another."""
         num_experts = len(self.experts)
-        dense = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
-        dense = dense.scatter(1, expert_ids, weights.to(x.dtype))  # [rows, num_experts]
+        dense = self._dense_weights(x, expert_ids, weights)
         gate, up = F.linear(x, self.all_gate_up).view(x.shape[0], num_experts, -1).chunk(2, dim=-1)
         return F.linear((F.silu(gate) * up * dense[:, :, None]).flatten(1), self.all_down)
 

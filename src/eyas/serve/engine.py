@@ -69,13 +69,18 @@ class EngineRequest:
     read_offset: int = 0
 
     def deliver(self, item: Update | ApiError) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: the server is shutting down
-            pass
+        _deliver_all(self.loop, [(self.queue, item)])
 
 
-def _put_each(items: list[tuple[asyncio.Queue, Update]]) -> None:
+def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Update | ApiError]]) -> None:
+    """Put each item on its queue, from the engine thread, in one call into the event loop."""
+    try:
+        loop.call_soon_threadsafe(_put_each, items)
+    except RuntimeError:  # the event loop is closed: the server is shutting down
+        pass
+
+
+def _put_each(items: list[tuple[asyncio.Queue, Update | ApiError]]) -> None:
     for queue_, item in items:
         queue_.put_nowait(item)
 
@@ -258,10 +263,7 @@ class EngineLoop:
                 delta, new_ids, seq.num_prompt_tokens, seq.num_generated,
                 seq.finish_reason if seq.is_finished else None, logprobs)))
         for loop, items in updates.items():
-            try:
-                loop.call_soon_threadsafe(_put_each, items)
-            except RuntimeError:  # the event loop is closed: the server is shutting down
-                pass
+            _deliver_all(loop, items)
 
     def _logprob_entries(self, logprobs: list[TokenLogprobs]) -> list[LogprobEntry]:
         """Token ids -> text here, in the thread that owns the tokenizer. Each token is decoded alone, so a piece
