@@ -1,32 +1,42 @@
-/* Decode and verify attention over MLA latents on one thread, in float32 arithmetic over latents kept in float32 or
-   bfloat16: the kernel `eyas.models.latent_kernel` builds.
+/* Decode and verify attention over MLA latents on one thread, over latents kept in float32 or bfloat16: the kernel
+   `eyas.models.latent_kernel` builds.
 
    Per batch row b: R query rows (a sequence's verify positions x heads) over S context positions whose one latent
    of D numbers is the key (all of it) and the value (its first DV). scores = q . k * scale + bias (bias 0 or -inf:
    the causal mask), softmax over S, out = sum of p * v.
 
    torch's fused SDPA multiplies [a few query rows x D] by [D x 512 positions] blocks, packing every block of the
-   latents for a matrix product whose other side has only a few rows. Here four query rows meet four latents at a
-   time, all sixteen dot products in registers, each latent read from memory once per block of query rows; the
-   sixteen are summed across their lanes together, by one tree of shuffles. Each row's result is computed by the
-   same operations in the same order whatever the other rows are (a missing row of a group of four computes a copy
-   of a present one, a missing position a copy of the last): decode and verify give the same numbers. Every
-   multiply-add is fused (the vector ones by -ffp-contract=fast, the scalar ones by fmaf), so latents in bfloat16
-   give what their float32 values give. */
+   latents for a matrix product whose other side has only a few rows. Here the context is read once: BLOCK
+   positions at a time, their scores and then their weighted sum while the latents are in cache, the softmax kept
+   running (each row's maximum and total so far, the sums rescaled when the maximum rises). Four query rows meet four
+   latents at a time, all sixteen dot products in registers, summed across their lanes together by one tree of
+   shuffles; the next four latents are prefetched meanwhile. Each row's result is computed by the same operations in
+   the same order whatever the other rows are (the blocks start at multiples of BLOCK; a missing row of a group of
+   four computes a copy of a present one, a missing position a copy of the last; a position a row does not see adds
+   a weight of exactly 0): decode and verify give the same numbers.
+
+   Arithmetic is float32 (every multiply-add fused: the vector ones by -ffp-contract=fast, the scalar ones by
+   fmaf). Over bfloat16 latents on a CPU with AVX512-BF16 the scores are bfloat16 dot products (the queries rounded
+   to bfloat16, which a bfloat16 model's queries already are; each product exact, added in float32), half the
+   instructions of widening the latents; the weighted sums stay float32. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16      /* one AVX-512 register of floats: the compiler vectorises each 16-wide operation */
-#define ROW_BLOCK 8   /* query rows whose scores are kept for a block of the context */
+#define ROW_BLOCK 8   /* query rows that take the context together */
 #define GROUP 4       /* query rows, and positions, scored together: 16 dot products in registers */
-#define AHEAD 4       /* latents prefetched this many positions ahead of the scores */
+#define BLOCK 32      /* positions scored, then summed, while their latents are in cache */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint16_t hvec2 __attribute__((vector_size(2 * LANES * sizeof(uint16_t))));
 
 /* exp(x) for x <= 0 to about 1 ulp, written so the compiler vectorises it (the C library's expf is a call per
    element): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor polynomial, 2^n from the exponent bits. */
@@ -89,14 +99,61 @@ static inline vec lanes_sums(const vec a[16]) {
          + __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-/* dots[r * GROUP + j] = q[r] . latent[j] for four query rows and four latents of D numbers. */
+/* A float32 rounded to the nearest bfloat16 (ties to even), as its 16 high bits. */
+static inline uint16_t to_bfloat16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+/* scores_4x4 over bfloat16 queries and latents: each instruction multiplies 32 pairs and adds each two neighbours'
+   products into one float32 lane (AVX512-BF16), half the instructions of widening the latents to float32. */
+static inline void scores_4x4_bf16(const uint16_t *const q[GROUP], const void *const latent[GROUP], int64_t D,
+                                   int64_t ahead, float dots[GROUP * GROUP]) {
+    __m512 acc[GROUP * GROUP];
+    for (int i = 0; i < GROUP * GROUP; i++) acc[i] = _mm512_setzero_ps();
+    int64_t wide = D - D % (2 * LANES);
+    for (int64_t d = 0; d < wide; d += 2 * LANES) {
+        __m512bh k[GROUP];
+        for (int j = 0; j < GROUP; j++) {
+            k[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)latent[j] + d);
+            __builtin_prefetch((const char *)latent[j] + ahead + 2 * d, 0, 2);
+        }
+        for (int r = 0; r < GROUP; r++) {
+            __m512bh qr = (__m512bh)_mm512_loadu_si512(q[r] + d);
+            for (int j = 0; j < GROUP; j++) acc[r * GROUP + j] = _mm512_dpbf16_ps(acc[r * GROUP + j], qr, k[j]);
+        }
+    }
+    vec a[GROUP * GROUP];
+    memcpy(a, acc, sizeof a);
+    vec sums = lanes_sums(a);
+    memcpy(dots, &sums, sizeof sums);
+    for (int r = 0; r < GROUP; r++)
+        for (int j = 0; j < GROUP; j++)
+            for (int64_t d = wide; d < D; d++) {
+                uint32_t u = (uint32_t)q[r][d] << 16;
+                float qd;
+                memcpy(&qd, &u, sizeof qd);
+                dots[r * GROUP + j] = fmaf(qd, latent_at(latent[j], d, 1), dots[r * GROUP + j]);
+            }
+}
+#endif
+
+/* dots[r * GROUP + j] = q[r] . latent[j] for four query rows and four latents of D numbers; the bytes `ahead` of
+   each latent are prefetched (into the second-level cache) as it is read. */
 static inline void scores_4x4(const float *const q[GROUP], const void *const latent[GROUP], int64_t D, int half,
-                              float dots[GROUP * GROUP]) {
+                              int64_t ahead, float dots[GROUP * GROUP]) {
     vec acc[GROUP * GROUP] = {0};
     int64_t wide = D - D % LANES;
     for (int64_t d = 0; d < wide; d += LANES) {
         vec k[GROUP];
-        for (int j = 0; j < GROUP; j++) k[j] = load_latent(latent[j], d, half);
+        for (int j = 0; j < GROUP; j++) {
+            k[j] = load_latent(latent[j], d, half);
+            if (!half || d % (2 * LANES) == 0)  /* one 64-byte line a time */
+                __builtin_prefetch((const char *)latent[j] + ahead + (half ? 2 : 4) * d, 0, 2);
+        }
         for (int r = 0; r < GROUP; r++) {
             vec qr = load(q[r] + d);
             for (int j = 0; j < GROUP; j++) acc[r * GROUP + j] += qr * k[j];
@@ -110,20 +167,50 @@ static inline void scores_4x4(const float *const q[GROUP], const void *const lat
                 dots[r * GROUP + j] = fmaf(q[r][d], latent_at(latent[j], d, half), dots[r * GROUP + j]);
 }
 
-/* out[r] = sum over s in [begin, end) of p[r][s] * (the first DV numbers of latent s), for four rows, 4 * LANES
-   columns at a time in registers across the positions, then LANES at a time, then one by one: each column's sum
-   is the same sequence of multiply-adds in every case. */
-static inline void values_4(const float *const p[GROUP], const char *kv, int64_t stride, int64_t begin,
-                            int64_t end, int64_t DV, int half, float *const out[GROUP]) {
+/* 2 * LANES bfloat16 numbers from element i on as float32, in two registers: each 128-bit lane of the first holds
+   the lane's first four numbers, of the second its last four (one interleave with zeros each, no shift). */
+static inline void load_latent_pair(const void *latent, int64_t i, vec *lo, vec *hi) {
+    hvec2 x, zero = {0};
+    memcpy(&x, (const uint16_t *)latent + i, sizeof x);
+    hvec2 a = __builtin_shufflevector(zero, x, 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
+                                      16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59);
+    hvec2 b = __builtin_shufflevector(zero, x, 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
+                                      20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63);
+    memcpy(lo, &a, sizeof *lo);
+    memcpy(hi, &b, sizeof *hi);
+}
+
+/* The 2 * LANES numbers load_latent_pair's registers hold, at out in their order. */
+static inline void unscramble(float *out) {
+    vec lo = load(out), hi = load(out + LANES);
+    vec a = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    vec b = __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    memcpy(out, &a, sizeof a);
+    memcpy(out + LANES, &b, sizeof b);
+}
+
+/* out[r] = factor[r] * out[r] + sum over s in [begin, end) of p[r][s - begin] * (the first DV numbers of latent s),
+   for four rows, 4 * LANES columns at a time in registers across the positions, then LANES at a time, then one by
+   one: each column's sum is the same sequence of multiply-adds in every case. */
+static inline void values_4(const float *const p[GROUP], const float factor[GROUP], const char *kv, int64_t stride,
+                            int64_t begin, int64_t end, int64_t DV, int half, float *const out[GROUP]) {
     int64_t d = 0;
     for (; d + 4 * LANES <= DV; d += 4 * LANES) {
-        vec acc[GROUP][4] = {{0}};
+        vec acc[GROUP][4];
+        for (int r = 0; r < GROUP; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = factor[r] * load(out[r] + d + i * LANES);
         for (int64_t s = begin; s < end; s++) {
             const void *v = kv + s * stride;
-            vec v0 = load_latent(v, d, half), v1 = load_latent(v, d + LANES, half);
-            vec v2 = load_latent(v, d + 2 * LANES, half), v3 = load_latent(v, d + 3 * LANES, half);
+            vec v0, v1, v2, v3;
+            if (half) {  /* in load_latent_pair's order: put back in place by unscramble at the end */
+                load_latent_pair(v, d, &v0, &v1);
+                load_latent_pair(v, d + 2 * LANES, &v2, &v3);
+            } else {
+                v0 = load_latent(v, d, half), v1 = load_latent(v, d + LANES, half);
+                v2 = load_latent(v, d + 2 * LANES, half), v3 = load_latent(v, d + 3 * LANES, half);
+            }
             for (int r = 0; r < GROUP; r++) {
-                float w = p[r][s];
+                float w = p[r][s - begin];
                 acc[r][0] += w * v0;
                 acc[r][1] += w * v1;
                 acc[r][2] += w * v2;
@@ -133,38 +220,49 @@ static inline void values_4(const float *const p[GROUP], const char *kv, int64_t
         for (int r = 0; r < GROUP; r++) memcpy(out[r] + d, acc[r], sizeof acc[r]);
     }
     for (; d + LANES <= DV; d += LANES) {
-        vec acc[GROUP] = {0};
+        vec acc[GROUP];
+        for (int r = 0; r < GROUP; r++) acc[r] = factor[r] * load(out[r] + d);
         for (int64_t s = begin; s < end; s++) {
             vec v0 = load_latent(kv + s * stride, d, half);
-            for (int r = 0; r < GROUP; r++) acc[r] += p[r][s] * v0;
+            for (int r = 0; r < GROUP; r++) acc[r] += p[r][s - begin] * v0;
         }
         for (int r = 0; r < GROUP; r++) memcpy(out[r] + d, &acc[r], sizeof acc[r]);
     }
     for (; d < DV; d++)
         for (int r = 0; r < GROUP; r++) {
-            float acc = 0.0f;
-            for (int64_t s = begin; s < end; s++) acc = fmaf(p[r][s], latent_at(kv + s * stride, d, half), acc);
+            float acc = factor[r] * out[r][d];
+            for (int64_t s = begin; s < end; s++)
+                acc = fmaf(p[r][s - begin], latent_at(kv + s * stride, d, half), acc);
             out[r][d] = acc;
         }
 }
 
-/* Softmax of p[begin..end) in place; -1 when no position is visible. */
-static inline int softmax(float *p, int64_t begin, int64_t end) {
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t s = begin; s < end; s++) top = p[s] > top ? p[s] : top;
-    if (top == -INFINITY) return -1;
-    for (int64_t s = begin; s < end; s++) p[s] = exp_nonpositive(p[s] - top);
-    for (int64_t s = begin; s < end; s++) total += p[s];
-    float inverse = 1.0f / total;
-    for (int64_t s = begin; s < end; s++) p[s] *= inverse;
-    return 0;
+/* One row's scores over a block of positions turned into its softmax weights against the row's running maximum
+   `top`, which rises to the block's: the factor its earlier sums are rescaled by. Its running total of weights
+   grows by the block's. */
+static inline float block_weights(float *p, int64_t n, float *top, float *total) {
+    float high = *top;
+    for (int64_t i = 0; i < n; i++) high = p[i] > high ? p[i] : high;
+    if (high == -INFINITY) {  /* nothing visible yet: the weights are 0 and there is nothing to rescale */
+        for (int64_t i = 0; i < n; i++) p[i] = 0.0f;
+        return 1.0f;
+    }
+    float factor = exp_nonpositive(*top - high), sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) p[i] = exp_nonpositive(p[i] - high);
+    for (int64_t i = 0; i < n; i++) sum += p[i];
+    *top = high;
+    *total = *total * factor + sum;
+    return factor;
 }
 
-/* One batch row's block of `rows` (<= ROW_BLOCK) query rows at qb over the latents at k (element stride `stride`
-   bytes apart), mask rows of S, out rows at o. p: ROW_BLOCK * S floats of scratch, spare: DV floats. */
+/* One batch row's block of `rows` (<= ROW_BLOCK) query rows at qb (qh: their bfloat16 copies, scratch) over the
+   latents at k (element stride `stride` bytes apart), mask rows of S, out rows at o. The positions are taken
+   BLOCK at a time, at multiples of BLOCK whatever the rows, each block's latents scored and then summed while
+   they are in cache: one pass over the latents, the softmax kept running (its maximum and total per row). p:
+   ROW_BLOCK * BLOCK floats of scratch, spare: DV floats. */
 static inline int attend_block(const float *qb, const char *k, int64_t stride, const float *mask, int64_t H,
                                int64_t r0, int64_t rows, int64_t S, int64_t D, int64_t DV, float scale, int half,
-                               float *p, float *spare, float *o) {
+                               float *p, float *spare, uint16_t *qh, float *o) {
     /* the positions some row of the block sees: nothing outside them is read (a cache slot past a context may
        hold anything) */
     int64_t begin = S, end = 0;
@@ -175,34 +273,58 @@ static inline int attend_block(const float *qb, const char *k, int64_t stride, c
                 end = s + 1 > end ? s + 1 : end;
             }
     if (begin >= end) return -3;
-    for (int64_t g = 0; g < rows; g += GROUP) {
-        const float *q[GROUP];
-        for (int r = 0; r < GROUP; r++) q[r] = qb + (g + r < rows ? g + r : g) * D;
-        for (int64_t s = begin; s < end; s += GROUP) {  /* scores: four latents read once for the group's rows */
-            const void *latent[GROUP];
-            for (int j = 0; j < GROUP; j++) latent[j] = k + (s + j < end ? s + j : end - 1) * stride;
-            for (int j = 0; j < GROUP && s + AHEAD + j < end; j++)
-                for (int64_t d = 0; d < D * (half ? 2 : 4); d += 64)
-                    __builtin_prefetch(k + (s + AHEAD + j) * stride + d, 0, 3);
-            float dots[GROUP * GROUP];
-            scores_4x4(q, latent, D, half, dots);
-            for (int r = 0; r < GROUP && g + r < rows; r++)
-                for (int j = 0; j < GROUP && s + j < end; j++) {
-                    float m = mask[(r0 + g + r) / H * S + s + j];
-                    p[(g + r) * S + s + j] = m == -INFINITY ? -INFINITY : dots[r * GROUP + j] * scale + m;
-                }
+#if defined(__AVX512BF16__)
+    if (half)
+        for (int64_t i = 0; i < rows * D; i++) qh[i] = to_bfloat16(qb[i]);
+#endif
+    float top[ROW_BLOCK], total[ROW_BLOCK], factor[ROW_BLOCK];
+    for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
+    memset(o, 0, sizeof(float) * rows * DV);
+    memset(spare, 0, sizeof(float) * DV);
+    for (int64_t s0 = begin - begin % BLOCK; s0 < end; s0 += BLOCK) {
+        int64_t lo = s0 > begin ? s0 : begin, hi = s0 + BLOCK < end ? s0 + BLOCK : end;
+        for (int64_t g = 0; g < rows; g += GROUP) {
+            const float *q[GROUP];
+            const uint16_t *qr[GROUP];
+            for (int r = 0; r < GROUP; r++) {
+                q[r] = qb + (g + r < rows ? g + r : g) * D;
+                qr[r] = qh + (g + r < rows ? g + r : g) * D;
+            }
+            for (int64_t s = lo; s < hi; s += GROUP) {  /* four latents read once for the group's rows */
+                const void *latent[GROUP];
+                for (int j = 0; j < GROUP; j++) latent[j] = k + (s + j < hi ? s + j : hi - 1) * stride;
+                float dots[GROUP * GROUP];
+#if defined(__AVX512BF16__)
+                if (half)
+                    scores_4x4_bf16(qr, latent, D, GROUP * stride, dots);
+                else
+#endif
+                    scores_4x4(q, latent, D, half, GROUP * stride, dots);
+                for (int r = 0; r < GROUP && g + r < rows; r++)
+                    for (int j = 0; j < GROUP && s + j < hi; j++) {
+                        float m = mask[(r0 + g + r) / H * S + s + j];
+                        p[(g + r) * BLOCK + s - lo + j] = m == -INFINITY ? -INFINITY : dots[r * GROUP + j] * scale + m;
+                    }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) factor[r] = block_weights(p + r * BLOCK, hi - lo, top + r, total + r);
+        for (int64_t g = 0; g < rows; g += GROUP) {
+            const float *pr[GROUP];
+            float *out[GROUP], f[GROUP];
+            for (int r = 0; r < GROUP; r++) {
+                pr[r] = p + (g + r < rows ? g + r : g) * BLOCK;
+                out[r] = g + r < rows ? o + (g + r) * DV : spare;
+                f[r] = factor[g + r < rows ? g + r : g];
+            }
+            values_4(pr, f, k, stride, lo, hi, DV, half, out);
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        if (softmax(p + r * S, begin, end)) return -3;
-    for (int64_t g = 0; g < rows; g += GROUP) {
-        const float *pr[GROUP];
-        float *out[GROUP];
-        for (int r = 0; r < GROUP; r++) {
-            pr[r] = p + (g + r < rows ? g + r : g) * S;
-            out[r] = g + r < rows ? o + (g + r) * DV : spare;
-        }
-        values_4(pr, k, stride, begin, end, DV, half, out);
+    for (int64_t r = 0; r < rows; r++) {
+        if (total[r] == 0.0f) return -3;
+        float inverse = 1.0f / total[r];
+        if (half)
+            for (int64_t d = 0; d < DV - DV % (4 * LANES); d += 2 * LANES) unscramble(o + r * DV + d);
+        for (int64_t d = 0; d < DV; d++) o[r * DV + d] *= inverse;
     }
     return 0;
 }
@@ -216,7 +338,7 @@ static inline int latent_attention(const float *q, const void *kv, int64_t kv_ba
                                    int64_t DV, float scale, float *out, int half) {
     if (DV > D || H < 1 || R % H) return -2;
     int64_t size = half ? 2 : 4;
-    float *p = malloc(sizeof(float) * (ROW_BLOCK * (S > 0 ? S : 1) + DV));
+    float *p = malloc(sizeof(float) * (ROW_BLOCK * BLOCK + DV) + sizeof(uint16_t) * ROW_BLOCK * D);
     if (p == NULL) return -1;
     int code = 0;
     for (int64_t b = 0; b < B && code == 0; b++)
@@ -224,7 +346,8 @@ static inline int latent_attention(const float *q, const void *kv, int64_t kv_ba
             code = attend_block(q + (b * R + r0) * D, (const char *)kv + b * kv_batch_stride * size,
                                 kv_row_stride * size, bias + b * (R / H) * S, H, r0,
                                 R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK, S, D, DV, scale, half,
-                                p, p + ROW_BLOCK * (S > 0 ? S : 1), out + (b * R + r0) * DV);
+                                p, p + ROW_BLOCK * BLOCK, (uint16_t *)(p + ROW_BLOCK * BLOCK + DV),
+                                out + (b * R + r0) * DV);
     free(p);
     return code;
 }

@@ -1,14 +1,15 @@
 """The C kernel for attention over MLA latents at decode and verify rows (latent_attention.c) on CPU: float32
-queries and arithmetic over latents kept in float32 or bfloat16.
+queries over latents kept in float32 or bfloat16.
 
 At 16 sequences of the eval prompts the attention over the paged latents was 40% of a compiled decode step, and
-torch's fused SDPA ran it at about 5 GB/s of latents against some 19 GB/s that one core streams: its blocks pack
-every 512 positions of latents for a product with only a few query rows. The kernel reads each latent once per
-block of query rows and computes each row the same way whatever the other rows are. A step's latents at 32
-sequences (some 130 MB over the bundled target's 8 layers at 220-token contexts) come from memory, not cache,
-and bfloat16 latents halve them: `python benchmarks/latent_attention.py --batch 32 --context 220` (contexts of 110
-to 220 positions, one thread) times a decode call at 1470 us over float32 latents, 1068 over bfloat16 ones and 2104
-through SDPA; scoring one latent at a time, as this kernel first did, took about 1.4x as long.
+torch's fused SDPA ran it at about 5 GB/s of latents against the 12-13 GB/s that one core of the Xeon measured
+streams: its blocks pack every 512 positions of latents for a product with only a few query rows. The kernel reads
+the context once per block of query rows, scoring and summing each block of positions while it is in cache, and
+computes each row the same way whatever the other rows are. A step's latents at 32 sequences (some 130 MB over the
+bundled target's 8 layers at 220-token contexts) come from memory, not cache, and bfloat16 latents halve them:
+`python benchmarks/latent_attention.py --batch 32 --context 220` (contexts of 110 to 220 positions, one thread)
+times a decode call at 1300 us over float32 latents, 915 over bfloat16 ones and 2084 through SDPA (a version that
+read the context twice, scores then sums, took 1470 and 1068).
 
 It is built as eyas.models.c_kernels builds every C kernel; where none builds, attention falls back to SDPA with a
 warning, once. Large calls split their sequences among threads as SDPA's would (`threads`): the C function
@@ -66,7 +67,8 @@ def load() -> bool:
 
 def reads(cache: torch.Tensor) -> bool:
     """Whether the kernel attends over this cache of latents (on CPU, float32 or bfloat16): its queries are then
-    float32, whatever the model's dtype."""
+    float32, whatever the model's dtype (over bfloat16 latents it rounds them to bfloat16 where the CPU has
+    bfloat16 dot products: a bfloat16 model's queries lose nothing)."""
     return cache.device.type == "cpu" and cache.dtype in LATENT_DTYPES and _library() is not None
 
 
