@@ -429,14 +429,14 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **k: sdpa_threads.append(torch.get_num_threads()) or sdpa(*a, **k))
     library = latent_kernel._library()
-    run = library.latent_attention_f32
+    run = library.latent_attention_run
 
     class Counted:  # the library's function, noting each call's batch rows and thread
         def __call__(self, *args):
-            kernel_threads.append((args[6], threading.get_ident()))
+            kernel_threads.append((args[8], threading.get_ident()))
             return run(*args)
 
-    monkeypatch.setattr(latent_kernel, "_library", lambda: type("L", (), {"latent_attention_f32": Counted()})())
+    monkeypatch.setattr(latent_kernel, "_library", lambda: type("L", (), {"latent_attention_run": Counted()})())
     assert torch.get_num_threads() == 1
     outs = []
     for parallel in (1, 2):
@@ -481,11 +481,40 @@ def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, 
     # latents kept in bfloat16 (and queries in bfloat16, as a bfloat16 model's are): what float32 arithmetic over
     # their values gives, rows alike alone or not
     half, q = kv.bfloat16(), q.bfloat16().float()
-    assert takes(q, half, value_dim) and not takes(q.bfloat16(), half, value_dim)
+    assert takes(q, half, value_dim) and takes(q.bfloat16(), half, value_dim) and not takes(q.half(), half, value_dim)
     out = latent_attention(q, half, bias, 0.2, value_dim)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, latent_attention(q, half.float(), bias, 0.2, value_dim), rtol=1e-5, atol=2e-6)
     assert torch.equal(latent_attention(q[2:, -heads:], half[2:], bias[2:, -1:], 0.2, value_dim), out[2:, -heads:])
+    # bfloat16 queries in, bfloat16 out: the float32 result rounded, as torch rounds it; over float32 latents too
+    for latents in (half, half.float()):
+        wide = latent_attention(q, latents, bias, 0.2, value_dim)
+        narrow = latent_attention(q.bfloat16(), latents, bias, 0.2, value_dim)
+        assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.bfloat16())
+
+
+def test_a_prompt_chunk_in_the_latent_kernel_splits_its_rows_among_threads_with_the_same_numbers():
+    """One sequence's 50-position chunk (causal over 60 positions) on 1, 2 and 3 threads: split by whole positions,
+    written into a given output, equal bit for bit."""
+    from eyas.models.latent_kernel import _parts, latent_attention
+
+    torch.manual_seed(1)
+    heads, positions, context, width = 4, 50, 60, 48
+    q = torch.randn(1, positions * heads, width).bfloat16()
+    kv = torch.randn(1, context, width).bfloat16()
+    bias = torch.zeros(1, positions, context)
+    for j in range(positions):
+        bias[0, j, context - positions + j + 1:] = float("-inf")
+    # the later positions see more: fewer of them a part
+    assert _parts(1, positions * heads, heads, context, 3) == [(0, 1, 0, 100), (0, 1, 100, 56), (0, 1, 156, 44)]
+    outs = []
+    for threads in (1, 2, 3):
+        into = torch.empty(1, positions * heads, 40, dtype=torch.bfloat16)
+        assert latent_attention(q, kv, bias, 0.3, 40, threads, into) is into
+        outs.append(into)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match="is not a contiguous"):
+        latent_attention(q, kv, bias, 0.3, 40, 1, torch.empty(1, positions * heads, 40))
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -247,25 +247,29 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
     """Multi-query attention where one latent per token is both key (all of it) and value (its first value_dim).
 
     q: [num_tokens, heads, latent_dim]; latent_cache: [num_slots, latent_dim]. Returns [num_tokens, heads, value_dim],
-    float32 where the C kernel reads the cache (float32 or bfloat16 on CPU), else in the cache's dtype.
-    With `groups` (some of attn.groups), only their rows are computed; the others are left unset.
+    in q's dtype where the C kernel reads the cache (float32 or bfloat16 on CPU; q float32 or bfloat16), else in the
+    cache's dtype. With `groups` (some of attn.groups), only their rows are computed; the others are left unset.
     """
     heads = q.shape[1]
-    q = q.to(torch.float32 if latent_kernel.reads(latent_cache) else latent_cache.dtype)
+    if not (latent_kernel.reads(latent_cache) and q.dtype in latent_kernel.LATENT_DTYPES):
+        q = q.to(latent_cache.dtype)
     if groups is None and len(attn.groups) == 1:
         out = _alone(q, latent_cache, attn.groups[0], value_dim, scale)
         if out is not None:
             return out
 
-    def attend(group: AttentionGroup) -> torch.Tensor:
+    def attend(group: AttentionGroup, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The group's rows [group_tokens, heads, value_dim], written to `into` when given."""
         batch, max_q = group.query_rows.shape
         kv = _context(latent_cache, group)  # [batch, max_seq_len, latent_dim]: the one key head
         queries = _queries(q, group).reshape(batch, max_q * heads, -1)  # position-major, then heads
         pairs = batch * max_q * kv.shape[1]
         if latent_kernel.takes(queries, kv, value_dim):
-            out = latent_kernel.latent_attention(queries, kv, group.attn_bias[:, 0], scale, value_dim,
-                                                 parallel_threads() if _wants_threads(pairs, KERNEL_PARALLEL_PAIRS)
-                                                 else 1)
+            threads = parallel_threads() if _wants_threads(pairs, KERNEL_PARALLEL_PAIRS) else 1
+            out = latent_kernel.latent_attention(queries, kv, group.attn_bias[:, 0], scale, value_dim, threads,
+                                                 None if into is None else into.view(batch, max_q * heads, -1))
+            if into is not None:
+                return into
         else:
             # every query of a sequence (its positions x heads) is a row of one SDPA head over the one key head, so
             # the kernel reads each latent once per sequence however many positions verify: at batch 16 and
@@ -276,16 +280,26 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
                 bias = group.attn_bias.to(kv.dtype)  # one position: its heads share its row, broadcast (no copy)
                 group.head_bias = bias if max_q == 1 else bias.repeat_interleave(heads, dim=2)
             with _parallel(pairs):
-                # (queries are float32 for the kernel; here they take the cache's dtype, as SDPA wants)
-                out = F.scaled_dot_product_attention(queries.to(kv.dtype).unsqueeze(1), kv.unsqueeze(1),
-                                                     kv.unsqueeze(1), attn_mask=group.head_bias,
-                                                     scale=scale)[:, 0, :, :value_dim]
+                out = F.scaled_dot_product_attention(queries.unsqueeze(1), kv.unsqueeze(1), kv.unsqueeze(1),
+                                                     attn_mask=group.head_bias, scale=scale)[:, 0, :, :value_dim]
         out = out.view(batch, max_q, heads, value_dim)
         if batch == 1 or group.packed:
-            return out.reshape(-1, heads, value_dim)  # [group_tokens, heads, value_dim]
-        return out[group.query_valid]
+            out = out.reshape(-1, heads, value_dim)  # [group_tokens, heads, value_dim]
+        else:
+            out = out[group.query_valid]
+        return out if into is None else into.copy_(out)
 
-    return _gather(attend, attn.groups if groups is None else groups, q.shape[0])
+    groups = attn.groups if groups is None else groups
+    if len(groups) == 1 and groups[0].in_flat_order and groups[0].rows.shape[0] == q.shape[0]:
+        return attend(groups[0])
+    # a group whose rows are one run of the output (a prompt chunk, a packed decode step) is written in place
+    out = q.new_empty(q.shape[0], heads, value_dim)
+    for group in groups:
+        if group.in_flat_order and (group.query_rows.shape[0] == 1 or group.packed):
+            attend(group, out[group.first_row:group.first_row + group.rows.shape[0]])
+        else:
+            out[group.rows] = attend(group)
+    return out
 
 
 def _alone(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, value_dim: int, scale: float

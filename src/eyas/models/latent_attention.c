@@ -258,11 +258,12 @@ static inline float block_weights(float *p, int64_t n, float *top, float *total)
 /* One batch row's block of `rows` (<= ROW_BLOCK) query rows at qb (qh: their bfloat16 copies, scratch) over the
    latents at k (element stride `stride` bytes apart), mask rows of S, out rows at o. The positions are taken
    BLOCK at a time, at multiples of BLOCK whatever the rows, each block's latents scored and then summed while
-   they are in cache: one pass over the latents, the softmax kept running (its maximum and total per row). p:
-   ROW_BLOCK * BLOCK floats of scratch, spare: DV floats. */
-static inline int attend_block(const float *qb, const char *k, int64_t stride, const float *mask, int64_t H,
-                               int64_t r0, int64_t rows, int64_t S, int64_t D, int64_t DV, float scale, int half,
-                               float *p, float *spare, uint16_t *qh, float *o) {
+   they are in cache: one pass over the latents, the softmax kept running (its maximum and total per row). The
+   queries in float32 (qb) or, where the scores are bfloat16 dot products, in bfloat16 (qh). p: ROW_BLOCK * BLOCK
+   floats of scratch, spare: DV floats. */
+static inline int attend_block(const float *qb, const uint16_t *qh, const char *k, int64_t stride, const float *mask,
+                               int64_t H, int64_t r0, int64_t rows, int64_t S, int64_t D, int64_t DV, float scale,
+                               int half, float *p, float *spare, float *o) {
     /* the positions some row of the block sees: nothing outside them is read (a cache slot past a context may
        hold anything) */
     int64_t begin = S, end = 0;
@@ -273,10 +274,6 @@ static inline int attend_block(const float *qb, const char *k, int64_t stride, c
                 end = s + 1 > end ? s + 1 : end;
             }
     if (begin >= end) return -3;
-#if defined(__AVX512BF16__)
-    if (half)
-        for (int64_t i = 0; i < rows * D; i++) qh[i] = to_bfloat16(qb[i]);
-#endif
     float top[ROW_BLOCK], total[ROW_BLOCK], factor[ROW_BLOCK];
     for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
     memset(o, 0, sizeof(float) * rows * DV);
@@ -287,8 +284,9 @@ static inline int attend_block(const float *qb, const char *k, int64_t stride, c
             const float *q[GROUP];
             const uint16_t *qr[GROUP];
             for (int r = 0; r < GROUP; r++) {
-                q[r] = qb + (g + r < rows ? g + r : g) * D;
-                qr[r] = qh + (g + r < rows ? g + r : g) * D;
+                int64_t row = g + r < rows ? g + r : g;
+                q[r] = qb != NULL ? qb + row * D : NULL;
+                qr[r] = qh != NULL ? qh + row * D : NULL;
             }
             for (int64_t s = lo; s < hi; s += GROUP) {  /* four latents read once for the group's rows */
                 const void *latent[GROUP];
@@ -329,37 +327,75 @@ static inline int attend_block(const float *qb, const char *k, int64_t stride, c
     return 0;
 }
 
-/* q [B, R, D] float32 contiguous; kv: latent s of batch row b at kv + (b * kv_batch_stride + s * kv_row_stride)
-   elements, float32 or (half) bfloat16; bias [B, R / H, S] contiguous, query row r reading bias row r / H (H: a
-   position's heads); out [B, R, DV] contiguous. Returns 0; -1 when out of memory, -2 for shapes it does not take
-   (DV > D, R not a multiple of H), -3 when a query row sees no position. */
-static inline int latent_attention(const float *q, const void *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
-                                   const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D,
-                                   int64_t DV, float scale, float *out, int half) {
+#if defined(__AVX512BF16__)
+#define DOT_BF16 1  /* bfloat16 latents are scored by bfloat16 dot products, their queries in bfloat16 */
+#else
+#define DOT_BF16 0
+#endif
+
+/* n numbers from float32 or (half) bfloat16 to float32, or to bfloat16 (rounded to nearest, ties to even). */
+static inline void to_float32(const void *x, int half, int64_t n, float *y) {
+    if (!half) {
+        memcpy(y, x, sizeof(float) * n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) y[i] = latent_at(x, i, 1);
+}
+
+static inline void to_bfloat16s(const void *x, int half, int64_t n, uint16_t *y) {
+    if (half) {
+        memcpy(y, x, sizeof(uint16_t) * n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) y[i] = to_bfloat16(((const float *)x)[i]);
+}
+
+/* q [B, R, D] contiguous, float32 or (q_half) bfloat16; kv: latent s of batch row b at kv + (b * kv_batch_stride +
+   s * kv_row_stride) elements, float32 or (half) bfloat16; bias [B, R / H, S] contiguous, query row r reading bias
+   row r / H (H: a position's heads); out [B, R, DV] contiguous, float32 or (out_half) bfloat16, rounded to nearest.
+   Returns 0; -1 when out of memory, -2 for shapes it does not take (DV > D, R not a multiple of H), -3 when a query
+   row sees no position. */
+static inline int latent_attention(const void *q, int q_half, const void *kv, int64_t kv_batch_stride,
+                                   int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R,
+                                   int64_t S, int64_t D, int64_t DV, float scale, void *out, int out_half, int half) {
     if (DV > D || H < 1 || R % H) return -2;
-    int64_t size = half ? 2 : 4;
-    float *p = malloc(sizeof(float) * (ROW_BLOCK * BLOCK + DV) + sizeof(uint16_t) * ROW_BLOCK * D);
+    int64_t size = half ? 2 : 4, q_size = q_half ? 2 : 4, out_size = out_half ? 2 : 4;
+    int dot_bf16 = half && DOT_BF16;
+    /* scratch: the block's weights, a spare output row, its queries converted, its outputs before rounding */
+    float *p = malloc(sizeof(float) * (ROW_BLOCK * BLOCK + DV + ROW_BLOCK * D + ROW_BLOCK * DV));
     if (p == NULL) return -1;
+    float *spare = p + ROW_BLOCK * BLOCK, *queries = spare + DV, *sums = queries + ROW_BLOCK * D;
     int code = 0;
     for (int64_t b = 0; b < B && code == 0; b++)
-        for (int64_t r0 = 0; r0 < R && code == 0; r0 += ROW_BLOCK)
-            code = attend_block(q + (b * R + r0) * D, (const char *)kv + b * kv_batch_stride * size,
-                                kv_row_stride * size, bias + b * (R / H) * S, H, r0,
-                                R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK, S, D, DV, scale, half,
-                                p, p + ROW_BLOCK * BLOCK, (uint16_t *)(p + ROW_BLOCK * BLOCK + DV),
-                                out + (b * R + r0) * DV);
+        for (int64_t r0 = 0; r0 < R && code == 0; r0 += ROW_BLOCK) {
+            int64_t rows = R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK;
+            const char *qb = (const char *)q + (b * R + r0) * D * q_size;
+            char *ob = (char *)out + (b * R + r0) * DV * out_size;
+            const float *qf = NULL;
+            const uint16_t *qh = NULL;
+            if (dot_bf16 && q_half)
+                qh = (const uint16_t *)qb;
+            else if (dot_bf16)
+                to_bfloat16s(qb, 0, rows * D, (uint16_t *)queries), qh = (const uint16_t *)queries;
+            else if (q_half)
+                to_float32(qb, 1, rows * D, queries), qf = queries;
+            else
+                qf = (const float *)qb;
+            code = attend_block(qf, qh, (const char *)kv + b * kv_batch_stride * size, kv_row_stride * size,
+                                bias + b * (R / H) * S, H, r0, rows, S, D, DV, scale, half, p, spare,
+                                out_half ? sums : (float *)ob);
+            if (out_half && code == 0) to_bfloat16s(sums, 0, rows * DV, (uint16_t *)ob);
+        }
     free(p);
     return code;
 }
 
-int latent_attention_f32(const float *q, const float *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
-                         const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D, int64_t DV,
-                         float scale, float *out) {
-    return latent_attention(q, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out, 0);
-}
-
-int latent_attention_bf16(const float *q, const uint16_t *kv, int64_t kv_batch_stride, int64_t kv_row_stride,
-                          const float *bias, int64_t H, int64_t B, int64_t R, int64_t S, int64_t D, int64_t DV,
-                          float scale, float *out) {
-    return latent_attention(q, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out, 1);
+int latent_attention_run(const void *q, int q_half, const void *kv, int kv_half, int64_t kv_batch_stride,
+                         int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R, int64_t S,
+                         int64_t D, int64_t DV, float scale, void *out, int out_half) {
+    if (kv_half)
+        return latent_attention(q, q_half, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out,
+                                out_half, 1);
+    return latent_attention(q, q_half, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale, out,
+                            out_half, 0);
 }

@@ -44,19 +44,15 @@ def _library() -> ctypes.CDLL | None:
     library = c_kernels.build(SOURCE, "attention over MLA latents", "torch's SDPA")
     if library is None:
         return None
-    for run in (library.latent_attention_f32, library.latent_attention_bf16):
-        run.restype = ctypes.c_int
-        run.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-            ctypes.c_void_p]  # q, kv, kv strides (batch, position), bias, H, B, R, S, D, DV, scale, out
+    run = library.latent_attention_run
+    run.restype = ctypes.c_int
+    run.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+        ctypes.c_void_p, ctypes.c_int]
+    # q, q in bfloat16, kv, kv in bfloat16, kv strides (batch, position), bias, H, B, R, S, D, DV, scale, out, out
+    # in bfloat16
     return library
-
-
-def _run(kv: torch.Tensor):
-    """The C function for latents of kv's dtype."""
-    library = _library()
-    return library.latent_attention_f32 if kv.dtype == torch.float32 else library.latent_attention_bf16
 
 
 def load() -> bool:
@@ -66,16 +62,16 @@ def load() -> bool:
 
 
 def reads(cache: torch.Tensor) -> bool:
-    """Whether the kernel attends over this cache of latents (on CPU, float32 or bfloat16): its queries are then
-    float32, whatever the model's dtype (over bfloat16 latents it rounds them to bfloat16 where the CPU has
-    bfloat16 dot products: a bfloat16 model's queries lose nothing)."""
+    """Whether the kernel attends over this cache of latents (on CPU, float32 or bfloat16), for queries in float32
+    or bfloat16 (over bfloat16 latents it rounds float32 queries to bfloat16 where the CPU has bfloat16 dot
+    products: a bfloat16 model's queries lose nothing)."""
     return cache.device.type == "cpu" and cache.dtype in LATENT_DTYPES and _library() is not None
 
 
 def takes(queries: torch.Tensor, kv: torch.Tensor, value_dim: int) -> bool:
-    """Whether the kernel runs this call: float32 queries over latents it reads, on CPU with no gradient wanted,
-    latents with unit stride along their width."""
-    return (queries.dtype == torch.float32 and queries.device.type == "cpu" and reads(kv)
+    """Whether the kernel runs this call: float32 or bfloat16 queries over latents it reads, on CPU with no gradient
+    wanted, latents with unit stride along their width."""
+    return (queries.dtype in LATENT_DTYPES and queries.device.type == "cpu" and reads(kv)
             and not (torch.is_grad_enabled() and (queries.requires_grad or kv.requires_grad))
             and value_dim <= kv.shape[-1] and kv.stride(-1) == 1)
 
@@ -85,12 +81,33 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="eyas-attention")
 
 
+def _parts(batch: int, rows: int, heads: int, seq_len: int, threads: int) -> list[tuple[int, int, int, int]]:
+    """The call split into at most `threads` parts (first batch row, batch rows, first query row, query rows): by
+    batch rows, or a single sequence's rows by whole positions (a prompt chunk's), each part about as many
+    (position, context position) pairs as a causal chunk at the end of seq_len positions gives it."""
+    if batch == 1 and rows // heads > 1:
+        positions = rows // heads
+        count = min(threads, positions)
+        pairs = [seq_len - positions + j + 1 for j in range(positions)]  # what position j sees
+        total, bounds, seen = sum(pairs), [0], 0
+        for j, n in enumerate(pairs):  # a part ends before the position whose middle passes its share
+            if j and len(bounds) < count and (seen + n / 2) * count > total * len(bounds):
+                bounds.append(j * heads)
+            seen += n
+        bounds.append(rows)
+        return [(0, 1, a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+    count = max(1, min(threads, batch))
+    bounds = [batch * t // count for t in range(count + 1)]
+    return [(a, b - a, 0, rows) for a, b in zip(bounds, bounds[1:])]
+
+
 def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, scale: float, value_dim: int,
-                     threads: int = 1) -> torch.Tensor:
-    """queries [batch, rows, D]; kv [batch, S, D] (any batch and row strides); bias [batch, bias_rows, S], 0 where
-    visible and -inf elsewhere, query row r reading bias row r // (rows // bias_rows) -> [batch, rows, value_dim]:
-    softmax(queries . kv * scale + bias) . kv[..., :value_dim]. With `threads` > 1 the batch rows are split among
-    that many threads (the call releases the GIL); each row's numbers are the same either way."""
+                     threads: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """queries [batch, rows, D] (float32 or bfloat16); kv [batch, S, D] (any batch and row strides); bias [batch,
+    bias_rows, S], 0 where visible and -inf elsewhere, query row r reading bias row r // (rows // bias_rows) ->
+    [batch, rows, value_dim] in the queries' dtype (into `out` when given, contiguous): softmax(queries . kv * scale +
+    bias) . kv[..., :value_dim]. With `threads` > 1 the call is split among that many threads (by batch rows, or a
+    single sequence's query rows; the call releases the GIL); each row's numbers are the same either way."""
     batch, rows, width = queries.shape
     seq_len = kv.shape[1]
     if kv.shape != (batch, seq_len, width) or bias.shape[0] != batch or bias.shape[2] != seq_len \
@@ -98,22 +115,27 @@ def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"latent_attention: queries {tuple(queries.shape)}, latents {tuple(kv.shape)} and bias "
                          f"{tuple(bias.shape)} do not fit together")
     queries, bias = queries.contiguous(), bias.to(torch.float32).contiguous()
-    out = torch.empty(batch, rows, value_dim, dtype=torch.float32)
-    run, heads, size = _run(kv), rows // bias.shape[1], queries.element_size()
+    if out is None:
+        out = torch.empty(batch, rows, value_dim, dtype=queries.dtype)
+    elif out.shape != (batch, rows, value_dim) or out.dtype != queries.dtype or not out.is_contiguous():
+        raise ValueError(f"latent_attention: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"{(batch, rows, value_dim)} {queries.dtype}")
+    run, heads = _library().latent_attention_run, rows // bias.shape[1]
+    q_half, kv_half = queries.dtype == torch.bfloat16, kv.dtype == torch.bfloat16
+    q_size, kv_size, out_size = queries.element_size(), kv.element_size(), out.element_size()
 
-    def part(first: int, count: int) -> int:  # batch rows first..first + count - 1
-        return run(queries.data_ptr() + first * queries.stride(0) * size,
-                   kv.data_ptr() + first * kv.stride(0) * kv.element_size(), kv.stride(0), kv.stride(1),
-                   bias.data_ptr() + first * bias.stride(0) * size, heads, count, rows, seq_len, width, value_dim,
-                   scale, out.data_ptr() + first * out.stride(0) * size)
+    def part(first: int, count: int, row: int, row_count: int) -> int:
+        return run(queries.data_ptr() + (first * rows + row) * width * q_size, q_half,
+                   kv.data_ptr() + first * kv.stride(0) * kv_size, kv_half, kv.stride(0), kv.stride(1),
+                   bias.data_ptr() + (first * bias.shape[1] + row // heads) * seq_len * 4, heads, count, row_count,
+                   seq_len, width, value_dim, scale, out.data_ptr() + (first * rows + row) * value_dim * out_size,
+                   out.dtype == torch.bfloat16)
 
-    threads = max(1, min(threads, batch))
-    if threads == 1:
-        code = part(0, batch)
+    parts = _parts(batch, rows, heads, seq_len, threads)
+    if len(parts) == 1:
+        code = part(*parts[0])
     else:
-        bounds = [batch * t // threads for t in range(threads + 1)]
-        codes = list(_pool(threads).map(part, bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]))
-        code = next((c for c in codes if c != 0), 0)
+        code = next((c for c in _pool(len(parts)).map(part, *zip(*parts)) if c != 0), 0)
     _check(code, f"queries {tuple(queries.shape)} over latents {tuple(kv.shape)}")
     return out
 
@@ -121,15 +143,15 @@ def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
 def latent_attention_alone(q: torch.Tensor, cache: torch.Tensor, first_slot: int, seq_len: int, bias: torch.Tensor,
                            scale: float, value_dim: int) -> torch.Tensor:
     """One sequence's query rows q [rows, heads, D] (contiguous) over the slots first_slot.. first_slot + seq_len - 1
-    of cache [slots, D], with bias [rows, seq_len] (float32, contiguous): [rows, heads, value_dim]. latent_attention
-    for a batch of one whose context is one run of the cache, with nothing to check or copy (the caller has:
-    `takes` on the same tensors, once per step)."""
+    of cache [slots, D], with bias [rows, seq_len] (float32, contiguous): [rows, heads, value_dim] in q's dtype.
+    latent_attention for a batch of one whose context is one run of the cache, with nothing to check or copy (the
+    caller has: `takes` on the same tensors, once per step)."""
     rows, heads, width = q.shape
-    out = torch.empty(rows, heads, value_dim, dtype=torch.float32)
-    size = cache.element_size()
-    code = _run(cache)(
-        q.data_ptr(), cache.data_ptr() + first_slot * cache.stride(0) * size, 0, cache.stride(0), bias.data_ptr(),
-        heads, 1, rows * heads, seq_len, width, value_dim, scale, out.data_ptr())
+    out = torch.empty(rows, heads, value_dim, dtype=q.dtype)
+    code = _library().latent_attention_run(
+        q.data_ptr(), q.dtype == torch.bfloat16, cache.data_ptr() + first_slot * cache.stride(0) * cache.element_size(),
+        cache.dtype == torch.bfloat16, 0, cache.stride(0), bias.data_ptr(), heads, 1, rows * heads, seq_len, width,
+        value_dim, scale, out.data_ptr(), q.dtype == torch.bfloat16)
     _check(code, f"queries {tuple(q.shape)} over {seq_len} latents")
     return out
 
