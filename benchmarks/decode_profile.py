@@ -27,6 +27,7 @@ from decode import prompts_for
 from eyas import LLM, SamplingParams
 from eyas.engine.compiled_step import CompiledTarget, Kernel
 from eyas.paths import DEFAULT_MODEL
+from eyas.threads import parallel_threads
 
 
 def start(llm: LLM, batch: int, prompt_len: int) -> list:
@@ -99,7 +100,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed run")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per batch size; the median is printed")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: what every eyas command "
+                    "picks, see eyas.threads: 1 for the bundled target, its attention over large batches on one a "
+                    "core)")
     ap.add_argument("--ops", type=int, default=0, help="also print torch.profiler's top N ops by self CPU time")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the model's dtype (default float32)")
@@ -109,7 +112,8 @@ def main() -> None:
 
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), threads=args.threads,
               compiled_step=not args.enforce_eager, dtype=args.dtype)
-    print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
+    threads = f"{torch.get_num_threads()} (attention over large batches {parallel_threads()})"
+    print(f"model {args.model.name}, threads {threads}, prompt {args.prompt_len} tokens, "
           f"{'eager' if args.enforce_eager else 'compiled step'}, {args.dtype}, torch {torch.__version__}")
     for batch in args.batch_sizes:
         seqs = start(llm, batch, args.prompt_len)
