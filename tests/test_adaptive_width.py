@@ -163,7 +163,7 @@ def test_a_narrower_width_does_not_lower_the_reported_acceptance():
     llm = LLM(DEFAULT_MODEL, max_num_seqs=1, speculative_config=SpeculativeConfig(
         method="mtp", num_speculative_tokens=3, adaptive_width=True, synthetic_acceptance_rate=1.0))
     widths = itertools.cycle([3, 1, 0, 2])
-    llm.speculative.adaptive.width = lambda batch_size: next(widths)
+    llm.speculative.adaptive.width = lambda batch_size, catching_up=False: next(widths)
     outs = llm.generate(["def add(a, b):\n", "import os\n"], SamplingParams(temperature=0, max_tokens=60,
                                                                               ignore_eos=True))
     totals = _totals()
@@ -178,13 +178,31 @@ def test_a_narrower_width_does_not_lower_the_reported_acceptance():
 
 def test_a_width_whose_steps_are_never_timed_is_tried_a_few_times_only():
     """A bucket whose steps cannot be timed (each sequence near its end is cut short of the width) tries an untimed
-    width MAX_TRIES times, then moves on, instead of running the widest width for as long as the bucket lasts."""
+    width MAX_TRIES times, then moves on, instead of running the widest width for as long as the bucket lasts; with
+    every try spent it runs the width of the nearest bucket that timed its own (none here: 0, then bucket 32's)."""
     from eyas.engine.adaptive_width import MAX_TRIES
 
     policy = AdaptiveWidth(max_width=3)
     zero = MAX_TRIES + policy.min_samples - 1  # width 0 is tried for min_samples timed steps
     widths = [policy.width(8) for _ in range(3 * MAX_TRIES + zero + 5)]
-    assert widths == [3] * MAX_TRIES + [2] * MAX_TRIES + [1] * MAX_TRIES + [0] * zero + [3] * 5
+    assert widths == [3] * MAX_TRIES + [2] * MAX_TRIES + [1] * MAX_TRIES + [0] * zero + [0] * 5
+    run(policy, 30, batch=32)
+    assert policy.buckets[32].width == 2 and policy.width(8) == 2
+
+
+def test_a_step_with_prompt_rows_neither_tries_nor_probes_a_width():
+    """Prompt rows make a step untimed: an untimed bucket runs the nearest timed bucket's width (none: 0) without
+    spending a try, and a settled bucket's probe due in such a step waits for the next step without them."""
+    policy = AdaptiveWidth(max_width=3, probe_every=8)
+    assert [policy.width(8, catching_up=True) for _ in range(5)] == [0] * 5
+    assert policy.buckets[8].tries == [0, 0, 0, 0]
+    widths = run(policy, 20, batch=8)
+    assert widths[:9] == [3, 2, 1] + [0] * 6 and policy.buckets[8].width == 2
+    assert policy.width(4, catching_up=True) == 2  # bucket 4, untimed, borrows bucket 8's width
+    bucket = policy.buckets[8]
+    bucket.next_probe = bucket.calls + 1
+    assert policy.width(8, catching_up=True) == 2 and bucket.next_probe == bucket.calls + 1
+    assert policy.width(8) in (1, 3)  # the probe, one step later
 
 
 def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():

@@ -145,20 +145,27 @@ class AdaptiveWidth:
                 return w
         return None
 
-    def width(self, batch_size: int) -> int:
-        """The width the next step of a batch of `batch_size` sequences should verify."""
+    def width(self, batch_size: int, catching_up: bool = False) -> int:
+        """The width the next step of a batch of `batch_size` sequences should verify; `catching_up`: some sequence
+        computes prompt positions in it (or a preempted sequence's), so it is not timed."""
         bucket = self._bucket(batch_size)
-        width = self._choose(batch_size, bucket)
+        width = self._choose(batch_size, bucket, catching_up)
         bucket.streak = bucket.streak + 1 if width == bucket.last else 1
         bucket.last = width
         return width
 
-    def _choose(self, batch_size: int, bucket: _Bucket) -> int:
+    def _choose(self, batch_size: int, bucket: _Bucket, catching_up: bool) -> int:
         bucket.calls += 1
         untimed = self._untimed(bucket)
-        if untimed is not None:
+        if untimed is not None and not catching_up:
             bucket.tries[untimed] += 1
             return untimed
+        if untimed is not None or bucket.medians[bucket.width] is None:
+            return self._borrowed(batch_size)
+        if catching_up:  # a probe is timed in its last step: one due now waits for a step without prompt rows
+            if 0 < bucket.next_probe <= bucket.calls and bucket.probed is None:
+                bucket.next_probe = bucket.calls + 1
+            return bucket.width
         # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
@@ -179,6 +186,18 @@ class AdaptiveWidth:
                 bucket.probed = width
             return width
         return bucket.width
+
+    def _borrowed(self, batch_size: int) -> int:
+        """The width of the nearest bucket whose width is timed (of two as near, the larger: the narrower width),
+        else 0. A step that cannot time a width (prompt rows) learns nothing by trying one, and a bucket whose tries
+        all went untimed (one the batch only passes through, as a burst of requests starts and drains) has no
+        time for its width: trying the widest width there cost a burst of 32 requests on the bundled models 20% of
+        its throughput (each try also runs the draft over every position since the last)."""
+        key = bucket_of(batch_size).bit_length()
+        timed = [k for k, b in self.buckets.items() if b.medians[b.width] is not None]
+        if not timed:
+            return 0
+        return self.buckets[min(timed, key=lambda k: (abs(k.bit_length() - key), -k))].width
 
     @staticmethod
     def _probe_steps(width: int) -> int:

@@ -92,7 +92,8 @@ class Proposer:
         if override is not None:
             width = override
         elif self.adaptive is not None:
-            width = self.adaptive.width(batch.num_running)
+            catching_up = any(s.num_computed < len(s) - 1 for s in batch.seqs)  # prompt rows: not timed
+            width = self.adaptive.width(batch.num_running, catching_up)
         else:
             width = self.config.num_speculative_tokens
         if batch.prefill_next and self.config.num_speculative_tokens_mixed_batch is not None:
