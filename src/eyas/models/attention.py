@@ -280,8 +280,10 @@ def paged_latent_attention(q: torch.Tensor, latent_cache: torch.Tensor, attn: At
                 bias = group.attn_bias.to(kv.dtype)  # one position: its heads share its row, broadcast (no copy)
                 group.head_bias = bias if max_q == 1 else bias.repeat_interleave(heads, dim=2)
             with _parallel(pairs):
-                out = F.scaled_dot_product_attention(queries.unsqueeze(1), kv.unsqueeze(1), kv.unsqueeze(1),
-                                                     attn_mask=group.head_bias, scale=scale)[:, 0, :, :value_dim]
+                # (q may be in the kernel's dtypes where the kernel does not take this call: SDPA wants kv's)
+                out = F.scaled_dot_product_attention(queries.to(kv.dtype).unsqueeze(1), kv.unsqueeze(1),
+                                                     kv.unsqueeze(1), attn_mask=group.head_bias,
+                                                     scale=scale)[:, 0, :, :value_dim]
         out = out.view(batch, max_q, heads, value_dim)
         if batch == 1 or group.packed:
             out = out.reshape(-1, heads, value_dim)  # [group_tokens, heads, value_dim]
