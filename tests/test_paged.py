@@ -600,3 +600,20 @@ def test_padded_short_rows_beside_a_prompt_chunk_read_no_unset_memory(model, mon
     worst, groups = run_steps(model, ([SHORT_QUERY + 9, 1, 3], [1, 1, 1]))
     assert groups[0] == [3, SHORT_QUERY + 9]  # the short rows padded to 3 in one group, the chunk alone
     assert worst < 1e-4, worst
+
+
+def test_a_gradient_through_attention_over_a_bfloat16_cache_runs_sdpa_with_the_caches_dtype():
+    """Where the kernel reads the cache but does not take the call (a gradient wanted), float32 queries meet the
+    bfloat16 latents in SDPA in the cache's dtype: what the kernel computes, to bfloat16's precision."""
+    from eyas.models.attention import paged_latent_attention
+
+    torch.manual_seed(2)
+    attn = AttentionMetadata.build([1, 1], [20, 30], [[0, 1], [2, 3]], 16)
+    cache = torch.randn(64, 40).bfloat16()
+    q = torch.randn(2, 4, 40).bfloat16().float().requires_grad_()
+    out = paged_latent_attention(q, cache, attn, 32, 0.1)
+    assert out.dtype == torch.bfloat16 and out.requires_grad
+    with torch.no_grad():
+        kernel = paged_latent_attention(q, cache, attn, 32, 0.1)
+    assert kernel.dtype == torch.float32
+    torch.testing.assert_close(out.float(), kernel, rtol=2e-2, atol=2e-2)
