@@ -190,19 +190,15 @@ def test_a_width_whose_steps_are_never_timed_is_tried_a_few_times_only():
     assert policy.buckets[32].width == 2 and policy.width(8) == 2
 
 
-def test_a_step_with_prompt_rows_neither_tries_nor_probes_a_width():
+def test_a_step_with_prompt_rows_does_not_try_a_width():
     """Prompt rows make a step untimed: an untimed bucket runs the nearest timed bucket's width (none: 0) without
-    spending a try, and a settled bucket's probe due in such a step waits for the next step without them."""
+    spending a try."""
     policy = AdaptiveWidth(max_width=3, probe_every=8)
     assert [policy.width(8, catching_up=True) for _ in range(5)] == [0] * 5
     assert policy.buckets[8].tries == [0, 0, 0, 0]
     widths = run(policy, 20, batch=8)
     assert widths[:9] == [3, 2, 1] + [0] * 6 and policy.buckets[8].width == 2
     assert policy.width(4, catching_up=True) == 2  # bucket 4, untimed, borrows bucket 8's width
-    bucket = policy.buckets[8]
-    bucket.next_probe = bucket.calls + 1
-    assert policy.width(8, catching_up=True) == 2 and bucket.next_probe == bucket.calls + 1
-    assert policy.width(8) in (1, 3)  # the probe, one step later
 
 
 def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():

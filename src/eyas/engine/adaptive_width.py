@@ -18,22 +18,23 @@ with the compiled step at one sequence 3.1 ms against 8.5, 8.1 and 8.4 at widths
 median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
-when every sequence verified and proposed that width); a new bucket above a smaller one that has timed its widths
-tries only those up to the smaller one's width (the best width does not grow with the batch: each sequence's verify
-rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width to
-learn what the smaller ones already showed, and it waits as long before its first probe as the smaller one had come
-to wait (below); a new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
-(down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
-proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is
-timed from its third step), the wider and the narrower in turn, so the line and the
-acceptance of the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. A
-probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the next (up to
-MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position every sequence
-computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms against 7 for
-two steps at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer,
-up to 4 MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait back to
-probe_every. The width changes only how many drafts are verified: outputs are the same at every width (greedy: token
-for token; sampling: in distribution).
+when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
+whose tries all went untimed run the nearest timed bucket's width, else 0); a new bucket above a smaller one that
+has timed its widths tries only those up to the smaller one's width (the best width does not grow with the batch:
+each sequence's verify rows cost more of a step), so a server whose load climbs does not run its largest batches at
+the widest width to learn what the smaller ones already showed, and it waits as long before its first probe as the
+smaller one had come to wait (below); a new best replaces the current width only when it beats it by `margin`; every
+`probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current width runs for two
+steps (the first proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a
+run of width 0 is timed from its third step), the wider and the narrower in turn, so the line and the acceptance of
+the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. A probe that
+finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the next (up to MAX_BACKOFF
+times). A probe away from width 0 costs more: it also runs the draft over every position every sequence computed
+since the last (its context must have no hole), at one sequence on the bundled models 18 ms against 7 for two steps
+at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer, up to 4
+MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait back to probe_every. The
+width changes only how many drafts are verified: outputs are the same at every width (greedy: token for token;
+sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
@@ -160,12 +161,10 @@ class AdaptiveWidth:
         if untimed is not None and not catching_up:
             bucket.tries[untimed] += 1
             return untimed
-        if untimed is not None or bucket.medians[bucket.width] is None:
+        # no time for its width, nor two widths to choose by: the width it was created with, never run timed
+        if untimed is not None or (bucket.medians[bucket.width] is None
+                                   and sum(m is not None for m in bucket.medians) < 2):
             return self._borrowed(batch_size)
-        if catching_up:  # a probe is timed in its last step: one due now waits for a step without prompt rows
-            if 0 < bucket.next_probe <= bucket.calls and bucket.probed is None:
-                bucket.next_probe = bucket.calls + 1
-            return bucket.width
         # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
@@ -191,7 +190,7 @@ class AdaptiveWidth:
         """The width of the nearest bucket whose width is timed (of two as near, the larger: the narrower width),
         else 0. A step that cannot time a width (prompt rows) learns nothing by trying one, and a bucket whose tries
         all went untimed (one the batch only passes through, as a burst of requests starts and drains) has no
-        time for its width: trying the widest width there cost a burst of 32 requests on the bundled models 20% of
+        time for its width: trying the widest width there cost a burst of 32 requests on the bundled models 27% of
         its throughput (each try also runs the draft over every position since the last)."""
         key = bucket_of(batch_size).bit_length()
         timed = [k for k, b in self.buckets.items() if b.medians[b.width] is not None]
