@@ -132,12 +132,8 @@ static inline void scores_4x4_bf16(const uint16_t *const q[GROUP], const void *c
     memcpy(dots, &sums, sizeof sums);
     for (int r = 0; r < GROUP; r++)
         for (int j = 0; j < GROUP; j++)
-            for (int64_t d = wide; d < D; d++) {
-                uint32_t u = (uint32_t)q[r][d] << 16;
-                float qd;
-                memcpy(&qd, &u, sizeof qd);
-                dots[r * GROUP + j] = fmaf(qd, latent_at(latent[j], d, 1), dots[r * GROUP + j]);
-            }
+            for (int64_t d = wide; d < D; d++)
+                dots[r * GROUP + j] = fmaf(latent_at(q[r], d, 1), latent_at(latent[j], d, 1), dots[r * GROUP + j]);
 }
 #endif
 
@@ -333,21 +329,13 @@ static inline int attend_block(const float *qb, const uint16_t *qh, const char *
 #define DOT_BF16 0
 #endif
 
-/* n numbers from float32 or (half) bfloat16 to float32, or to bfloat16 (rounded to nearest, ties to even). */
-static inline void to_float32(const void *x, int half, int64_t n, float *y) {
-    if (!half) {
-        memcpy(y, x, sizeof(float) * n);
-        return;
-    }
+/* n bfloat16 numbers widened to float32; n float32 numbers rounded to bfloat16 (nearest, ties to even). */
+static inline void widen(const uint16_t *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = latent_at(x, i, 1);
 }
 
-static inline void to_bfloat16s(const void *x, int half, int64_t n, uint16_t *y) {
-    if (half) {
-        memcpy(y, x, sizeof(uint16_t) * n);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) y[i] = to_bfloat16(((const float *)x)[i]);
+static inline void narrow(const float *x, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = to_bfloat16(x[i]);
 }
 
 /* q [B, R, D] contiguous, float32 or (q_half) bfloat16; kv: latent s of batch row b at kv + (b * kv_batch_stride +
@@ -376,15 +364,15 @@ static inline int latent_attention(const void *q, int q_half, const void *kv, in
             if (dot_bf16 && q_half)
                 qh = (const uint16_t *)qb;
             else if (dot_bf16)
-                to_bfloat16s(qb, 0, rows * D, (uint16_t *)queries), qh = (const uint16_t *)queries;
+                narrow((const float *)qb, rows * D, (uint16_t *)queries), qh = (const uint16_t *)queries;
             else if (q_half)
-                to_float32(qb, 1, rows * D, queries), qf = queries;
+                widen((const uint16_t *)qb, rows * D, queries), qf = queries;
             else
                 qf = (const float *)qb;
             code = attend_block(qf, qh, (const char *)kv + b * kv_batch_stride * size, kv_row_stride * size,
                                 bias + b * (R / H) * S, H, r0, rows, S, D, DV, scale, half, p, spare,
                                 out_half ? sums : (float *)ob);
-            if (out_half && code == 0) to_bfloat16s(sums, 0, rows * DV, (uint16_t *)ob);
+            if (out_half && code == 0) narrow(sums, rows * DV, (uint16_t *)ob);
         }
     free(p);
     return code;

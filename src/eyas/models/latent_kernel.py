@@ -131,7 +131,7 @@ def latent_attention(queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
                    kv.data_ptr() + first * kv.stride(0) * kv_size, kv_half, kv.stride(0), kv.stride(1),
                    bias.data_ptr() + (first * bias.shape[1] + row // heads) * seq_len * 4, heads, count, row_count,
                    seq_len, width, value_dim, scale, out.data_ptr() + (first * rows + row) * value_dim * out_size,
-                   out.dtype == torch.bfloat16)
+                   q_half)  # out is in the queries' dtype
 
     parts = _parts(batch, rows, heads, seq_len, threads)
     others = [_pool(len(parts) - 1).submit(part, *p) for p in parts[1:]] if len(parts) > 1 else []
