@@ -42,6 +42,24 @@ def test_the_kernel_computes_f_linear_and_each_row_alone_equals_it_in_the_batch(
         assert rows_matmul.linear_rows(x[:0], linear).shape == (0, 3, n)
 
 
+@pytest.mark.parametrize("n, k", [(8192, 192), (37, 5)])
+def test_a_bfloat16_weight_gives_its_float32_copys_logits_bit_for_bit(n, k):
+    """Half the bytes read, the same logits: the kernel widens bfloat16 exactly; bfloat16 rows are widened too."""
+    as_float = head(n, k)
+    as_float.weight.data = gemv_layout(as_float.weight.detach().bfloat16().float())
+    as_bf16 = nn.Linear(k, n, bias=False)
+    as_bf16.weight = nn.Parameter(gemv_layout(as_float.weight.detach().bfloat16()), requires_grad=False)
+    for m in (1, 2, 4, 9, 32):
+        x = torch.randn(m, k)
+        with torch.no_grad():
+            assert rows_matmul.takes(x, as_bf16) and rows_matmul.takes(x.bfloat16(), as_bf16)
+            got = rows_matmul.linear_rows(x, as_bf16)
+            assert got.dtype == torch.float32 and torch.equal(got, rows_matmul.linear_rows(x, as_float))
+            assert torch.equal(rows_matmul.linear_rows(x.bfloat16(), as_bf16),
+                               rows_matmul.linear_rows(x.bfloat16().float(), as_float))
+    assert not rows_matmul.takes(torch.randn(2, k).half(), as_bf16)
+
+
 def test_f_linear_runs_where_the_kernel_does_not_take_the_call():
     linear = head(64, 32)
     x = torch.randn(3, 32)
@@ -72,3 +90,24 @@ def test_the_logits_run_f_linear_where_the_kernel_cannot_be_built(tmp_path, monk
     finally:
         rows_matmul._library.cache_clear()
     assert not list(tmp_path.rglob("*.so"))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_targets_logits_are_float32_from_the_kernel_whatever_rows_run_beside(tmp_path, tied):
+    """A tied lm_head is the embedding's matrix (rows an embedding reads): the target keeps a copy in the kernel's
+    layout, so its logits are float32 and batch-invariant as an untied head's."""
+    from tiny import make_hf_checkpoint
+
+    from eyas import load_model
+    from eyas.models.layers import pack_for_inference
+
+    make_hf_checkpoint(tmp_path, dtype=torch.bfloat16, tie_word_embeddings=tied)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    pack_for_inference(model)
+    assert (model.rows_head is not None) == tied
+    x = torch.randn(5, model.config.hidden_size).bfloat16()
+    with torch.no_grad():
+        logits = model.compute_logits(x)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, x.float() @ model.lm_head.weight.float().t(), rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(model.compute_logits(x[r:r + 1]), logits[r:r + 1]) for r in range(5))

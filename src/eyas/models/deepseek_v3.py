@@ -461,17 +461,18 @@ class TargetHead(nn.Module):
         self.config = config
         self.model = model if model is not None else _HeadModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.float_head: nn.Linear | None = None  # set by pack()
+        self.rows_head: nn.Linear | None = None  # set by pack()
         self.tie_weights()
 
     def pack(self) -> None:
-        """For inference on CPU in bfloat16: a float32 copy of lm_head, so logits are float32 from the rows kernel
-        (each row's the same whatever rows run beside it; bfloat16 matmuls round a row by the row count)."""
+        """For inference on CPU with a tied lm_head (the embedding's matrix, whose rows an embedding reads): a copy
+        in gemv_layout for the rows kernel, so logits are float32 and each row's the same whatever rows run beside
+        it. An untied lm_head is in that layout already (pack_for_inference)."""
         weight = self.lm_head.weight
-        if self.float_head is None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if self.rows_head is None and weight.device.type == "cpu" and not weight.t().is_contiguous():
             head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-            head.weight = nn.Parameter(gemv_layout(weight.detach().float()), requires_grad=False)
-            vars(self)["float_head"] = head  # not a submodule: state_dict stays the checkpoint's
+            head.weight = nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
+            vars(self)["rows_head"] = head  # not a submodule: state_dict stays the checkpoint's
 
     @property
     def tied_weights(self) -> tuple[str, ...]:
@@ -485,11 +486,9 @@ class TargetHead(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # on CPU the rows kernel: each row's logits the same whatever rows run beside it, and a few rows 2x faster
-        # than BLAS (eyas.models.rows_matmul)
-        if self.float_head is not None:
-            return linear_rows(hidden.float(), self.float_head)
-        return linear_rows(hidden, self.lm_head)
+        # on CPU the rows kernel: float32 logits, each row's the same whatever rows run beside it (bfloat16 matmuls
+        # round a row by the row count), and a few rows 2x faster than BLAS (eyas.models.rows_matmul)
+        return linear_rows(hidden, self.rows_head if self.rows_head is not None else self.lm_head)
 
 
 class DeepseekV3ForCausalLM(TargetHead):

@@ -1,5 +1,7 @@
 /* out[M, N] = x[M, K] . w[K, N] for linears stored in gemv_layout (w is the weight transposed, N contiguous),
-   float32, one thread: the kernel `eyas.models.rows_matmul` builds, for the logits of a step's few rows.
+   float32 rows and float32 or bfloat16 weights (widened exactly as they are read), one thread: the kernel
+   `eyas.models.rows_matmul` builds, for the logits of a step's few rows. A bfloat16 weight is half the bytes to read,
+   and its logits are bit for bit those of its float32 copy.
 
    CPU BLAS multiplies 2 to 8 rows by the bundled target's lm_head 2-4x slower than one row (it packs the whole
    weight for a matrix product whose other side has a few rows). Here each block of columns of w is read from
@@ -23,16 +25,43 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+typedef uint16_t half_vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t bits_vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* 16 bfloat16 weights as floats: a bfloat16 is a float's top 16 bits */
+static inline vec load_bf16(const uint16_t *p) {
+    half_vec h;
+    memcpy(&h, p, sizeof h);
+    bits_vec bits = __builtin_convertvector(h, bits_vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline float scalar_f32(const float *p) { return *p; }
+
+static inline float scalar_bf16(const uint16_t *p) {
+    uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* Rows 0..m-1 of x (m <= R) times the V * LANES columns of w from n0: R x V accumulators (at most 16 registers,
    so 16 independent chains of multiply-adds, and w's registers beside them). */
-#define DEFINE_BLOCK(R, V)                                                                               \
-    static void block_##R##_##V(const float *x, int64_t K, const float *w, int64_t N, int64_t m,         \
+#define DEFINE_BLOCK(T, W, LOAD, R, V)                                                                   \
+    static void block_##T##_##R##_##V(const float *x, int64_t K, const W *w, int64_t N, int64_t m,       \
                                 int64_t n0, float *out) {                                                \
         vec acc[R][V];                                                                                   \
         memset(acc, 0, sizeof acc);                                                                      \
         for (int64_t k = 0; k < K; k++) {                                                                \
+            if (V == 8) { /* the pass that reads w from memory: fetch 4 KB of the block ahead */         \
+                const char *ahead = (const char *)(w + (k + 4096 / (V * LANES * sizeof(W))) * N + n0);   \
+                for (int c = 0; c < V * LANES * (int)sizeof(W); c += 64)                                 \
+                    __builtin_prefetch(ahead + c, 0, 3);                                                 \
+            }                                                                                            \
             vec wk[V];                                                                                   \
-            for (int v = 0; v < V; v++) wk[v] = load(w + k * N + n0 + v * LANES);                        \
+            for (int v = 0; v < V; v++) wk[v] = LOAD(w + k * N + n0 + v * LANES);                        \
             for (int r = 0; r < R; r++) {                                                                \
                 if (r < m) {                                                                             \
                     float s = x[r * K + k];                                                              \
@@ -44,11 +73,15 @@ static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
             for (int v = 0; v < V; v++) store(out + r * N + n0 + v * LANES, acc[r][v]);                  \
     }
 
-DEFINE_BLOCK(1, 8)
-DEFINE_BLOCK(2, 8)
-DEFINE_BLOCK(4, 4)
-DEFINE_BLOCK(8, 2)
-DEFINE_BLOCK(1, 1)
+#define DEFINE_BLOCKS(T, W, LOAD) \
+    DEFINE_BLOCK(T, W, LOAD, 1, 8)  \
+    DEFINE_BLOCK(T, W, LOAD, 2, 8)  \
+    DEFINE_BLOCK(T, W, LOAD, 4, 4)  \
+    DEFINE_BLOCK(T, W, LOAD, 8, 2)  \
+    DEFINE_BLOCK(T, W, LOAD, 1, 1)
+
+DEFINE_BLOCKS(f32, float, load)
+DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
 
 /* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. Each block of 8 * LANES columns is read
    from memory once, by the first one or two rows, as one row reads it (8 * LANES floats of each of the K rows of w:
@@ -56,26 +89,32 @@ DEFINE_BLOCK(1, 1)
    4 rows took 1.9 times one row's time on an evicted 8192 x 192 head). The other rows then take the block, 96 KB at
    K = 192, from the caches, 8 rows at a time over a quarter of its columns (24 KB, in L1), each weight register
    used by 8 rows. */
-int rows_matmul_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out) {
-    int64_t n0 = 0;
-    for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {
-        int64_t r0 = M >= 2 ? 2 : M;
-        if (M >= 2) block_2_8(x, K, w, N, 2, n0, out);
-        else if (M == 1) block_1_8(x, K, w, N, 1, n0, out);
-        for (; r0 + 8 <= M; r0 += 8)
-            for (int64_t c = 0; c < 8 * LANES; c += 2 * LANES) block_8_2(x + r0 * K, K, w, N, 8, n0 + c, out + r0 * N);
-        for (; r0 + 4 <= M; r0 += 4)
-            for (int64_t c = 0; c < 8 * LANES; c += 4 * LANES) block_4_4(x + r0 * K, K, w, N, 4, n0 + c, out + r0 * N);
-        for (; r0 + 2 <= M; r0 += 2) block_2_8(x + r0 * K, K, w, N, 2, n0, out + r0 * N);
-        if (r0 < M) block_1_8(x + r0 * K, K, w, N, 1, n0, out + r0 * N);
-    }
-    for (; n0 + LANES <= N; n0 += LANES)
-        for (int64_t r = 0; r < M; r++) block_1_1(x + r * K, K, w, N, 1, n0, out + r * N);
-    for (int64_t r = 0; r < M; r++)  /* the last columns: the same multiply-adds, one lane at a time */
-        for (int64_t n = n0; n < N; n++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s = fmaf(x[r * K + k], w[k * N + n], s);
-            out[r * N + n] = s;
-        }
-    return 0;
+#define DEFINE_ROWS_MATMUL(T, W, SCALAR)                                                                              \
+int rows_matmul_##T(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *out) {                        \
+    int64_t n0 = 0;                                                                                                   \
+    for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                                    \
+        int64_t r0 = M >= 2 ? 2 : M;                                                                                  \
+        if (M >= 2) block_##T##_2_8(x, K, w, N, 2, n0, out);                                                          \
+        else if (M == 1) block_##T##_1_8(x, K, w, N, 1, n0, out);                                                     \
+        for (; r0 + 8 <= M; r0 += 8)                                                                                  \
+            for (int64_t c = 0; c < 8 * LANES; c += 2 * LANES)                                                        \
+                block_##T##_8_2(x + r0 * K, K, w, N, 8, n0 + c, out + r0 * N);                                        \
+        for (; r0 + 4 <= M; r0 += 4)                                                                                  \
+            for (int64_t c = 0; c < 8 * LANES; c += 4 * LANES)                                                        \
+                block_##T##_4_4(x + r0 * K, K, w, N, 4, n0 + c, out + r0 * N);                                        \
+        for (; r0 + 2 <= M; r0 += 2) block_##T##_2_8(x + r0 * K, K, w, N, 2, n0, out + r0 * N);                       \
+        if (r0 < M) block_##T##_1_8(x + r0 * K, K, w, N, 1, n0, out + r0 * N);                                        \
+    }                                                                                                                 \
+    for (; n0 + LANES <= N; n0 += LANES)                                                                              \
+        for (int64_t r = 0; r < M; r++) block_##T##_1_1(x + r * K, K, w, N, 1, n0, out + r * N);                      \
+    for (int64_t r = 0; r < M; r++)  /* the last columns: the same multiply-adds, one lane at a time */               \
+        for (int64_t n = n0; n < N; n++) {                                                                            \
+            float s = 0.0f;                                                                                           \
+            for (int64_t k = 0; k < K; k++) s = fmaf(x[r * K + k], SCALAR(w + k * N + n), s);                         \
+            out[r * N + n] = s;                                                                                       \
+        }                                                                                                             \
+    return 0;                                                                                                         \
 }
+
+DEFINE_ROWS_MATMUL(f32, float, scalar_f32)
+DEFINE_ROWS_MATMUL(bf16, uint16_t, scalar_bf16)
