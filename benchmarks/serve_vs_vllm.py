@@ -8,8 +8,9 @@ run at the same concurrency. vLLM runs as users run it, in its default mode, whi
 vllm-draft), and with --enforce-eager (vllm-plain-eager, vllm-draft-eager); its set-up as in
 benchmarks/vllm_interop.py (its own virtualenv; float32, its CPU MLA kernel). vllm-plain-bf16 is its default mode in
 bfloat16, with its AMX kernels where the CPU has AMX (vLLM's fastest mode there). eyas serve runs with its
-defaults (float32, the compiled step, the adaptive verify width), with --enforce-eager (eyas-plain-eager,
-eyas-draft-eager) and with --dtype bfloat16 (eyas-plain-bf16, eyas-draft-bf16: the bfloat16 compiled step).
+defaults (the compiled step, the adaptive verify width; bfloat16 on CPUs with AMX, else float32), with
+--enforce-eager (eyas-plain-eager, eyas-draft-eager: float32), and with --dtype bfloat16 (eyas-plain-bf16,
+eyas-draft-bf16: the bfloat16 compiled step) or --dtype float32 (eyas-plain-f32, eyas-draft-f32).
 Every server gets --num-warmups untimed requests at each concurrency before its timed run. A server that does
 not start is reported with its log and the others still run.
 """
@@ -27,7 +28,8 @@ from pathlib import Path
 from vllm_interop import DRAFT, TARGET, free_port, start_vllm, stop, wait_healthy
 
 SERVERS = ["eyas-plain", "eyas-draft", "eyas-plain-eager", "eyas-draft-eager", "eyas-plain-bf16", "eyas-draft-bf16",
-           "vllm-plain", "vllm-draft", "vllm-plain-eager", "vllm-draft-eager", "vllm-plain-bf16"]
+           "eyas-plain-f32", "eyas-draft-f32", "vllm-plain", "vllm-draft", "vllm-plain-eager", "vllm-draft-eager",
+           "vllm-plain-bf16"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,11 +49,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = False, dtype: str = "float32"
+def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = False, dtype: str | None = None
                ) -> tuple[subprocess.Popen, str]:
+    """`dtype` None: eyas's default."""
     port = free_port()
     command = [sys.executable, "-m", "eyas.cli", "serve", "--port", str(port), "--max-num-seqs",
-               str(max(args.concurrency)), "--no-access-log", "--dtype", dtype] + (["--enforce-eager"] if eager else [])
+               str(max(args.concurrency)), "--no-access-log"] + (["--dtype", dtype] if dtype else []) + \
+        (["--enforce-eager"] if eager else [])
     command += ["--draft-model", str(DRAFT), "--num-speculative-tokens", str(args.num_speculative_tokens)] if draft \
         else ["--speculative-method", "none"]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -93,8 +97,9 @@ def main() -> int:
         log = work / f"{name}.log"
         try:
             if name.startswith("eyas"):
+                dtype = {"bf16": "bfloat16", "f32": "float32"}.get(name.rsplit("-", 1)[-1])
                 server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"),
-                                         dtype="bfloat16" if name.endswith("-bf16") else "float32")
+                                         dtype=dtype)
             else:
                 server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
                                          max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"),

@@ -177,3 +177,24 @@ def test_a_swapped_or_mismatched_directory_is_named_for_what_it_is(tmp_path):
     with pytest.raises(CheckpointError, match=r"made for another target: its config.json has target_hidden_size "
                        r"192, the target's hidden size is 64; .*eyas inspect"):
         load_draft(DEFAULT_DRAFT, load_model(tmp_path / "other"))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_engines_auto_dtype_is_a_bfloat16_checkpoints_own_on_a_cpu_with_amx_only_when_compiled(tmp_path,
+                                                                                                   monkeypatch, amx):
+    from eyas import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "cpu_has_amx", lambda: amx)
+    for stored in ("bfloat16", "float32"):
+        (tmp_path / stored).mkdir()
+        (tmp_path / stored / "config.json").write_text(json.dumps({"torch_dtype": stored}))
+    want = torch.bfloat16 if amx else torch.float32
+    assert ckpt.inference_dtype(tmp_path / "bfloat16", "auto", "cpu", compiled_step=True) == want
+    # op by op, bfloat16 rounds a row by the row count: greedy speculative output could differ from plain
+    assert ckpt.inference_dtype(tmp_path / "bfloat16", "auto", "cpu", compiled_step=False) == torch.float32
+    assert ckpt.inference_dtype(tmp_path / "float32", "auto", "cpu", True) == torch.float32
+    assert ckpt.inference_dtype(tmp_path / "bfloat16", "float32", "cpu", True) == torch.float32  # asked for, kept
+    assert ckpt.inference_dtype(tmp_path / "float32", "bfloat16", "cpu", False) == torch.bfloat16
+    assert ckpt.inference_dtype(tmp_path / "missing", "auto", "cpu", True) == torch.float32  # load_model says why
+    assert ckpt.inference_dtype(tmp_path / "float32", "auto", "cuda", False) == torch.bfloat16
+    assert ckpt.resolve_dtype("auto", torch.device("cpu")) == torch.float32  # training's rule is unchanged

@@ -89,6 +89,32 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = "auto",
     return model.eval()
 
 
+def inference_dtype(path: str | Path, dtype: str | torch.dtype | None, device: str | torch.device,
+                    compiled_step: bool) -> torch.dtype:
+    """The dtype the engine runs the target at `path` (and its draft) in. `auto` is bfloat16 on accelerators and,
+    for a checkpoint stored in bfloat16, on CPUs with AMX when the step is compiled: there its frozen bfloat16
+    kernels are the faster and round a row alike whatever rows run beside it, where bfloat16 run op by op rounds
+    a row by the row count (greedy speculative output could then differ from plain). Float32 otherwise on CPU, as
+    for training (`resolve_dtype`)."""
+    device = torch.device(device)
+    if dtype in (None, "auto") and device.type == "cpu" and compiled_step and cpu_has_amx():
+        try:
+            raw = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = {}  # load_model says what is wrong with the checkpoint
+        if isinstance(raw, dict) and (raw.get("torch_dtype") or raw.get("dtype")) == "bfloat16":
+            return torch.bfloat16
+    return resolve_dtype(dtype, device)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 HEAD_WEIGHTS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 

@@ -49,7 +49,7 @@ class EngineArgs:
     """What the engine is built from; each field is the flag of the same name."""
 
     model: Path = DEFAULT_MODEL
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    dtype: str = "auto"  # see eyas.checkpoint.inference_dtype
     device: str = "cpu"
     max_num_seqs: int = 16
     max_model_len: int | None = None  # None: the model's
@@ -96,7 +96,8 @@ class EngineArgs:
             _flag(g, "--kv-cache-memory", defaults, type=float, metavar="GIB", help="KV cache budget in GiB "
                   "(default: 0.25 on CPU, 90%% of free accelerator memory); requests beyond it wait or are preempted")
         if "--dtype" not in without:
-            _flag(g, "--dtype", defaults, help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+            _flag(g, "--dtype", defaults, help="auto (bfloat16 on GPU, and on CPUs with AMX for a bfloat16 "
+                  "checkpoint unless --enforce-eager; else float32), float32, bfloat16")
         if "--device" not in without:
             _flag(g, "--device", defaults, help="cpu or cuda")
         _flag(g, "--threads", defaults, type=int, help=THREADS_HELP)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eyas.checkpoint import load_dflash_draft, load_draft, load_model
+from eyas.checkpoint import inference_dtype, load_dflash_draft, load_draft, load_model
 from eyas.config import SpeculativeConfig
 from eyas.engine.block_proposer import BlockDraft
 from eyas.engine.chat import encode_chat
@@ -96,7 +96,7 @@ class LLM:
             speculative_config = SpeculativeConfig(
                 method=speculative_method, draft_model=str(draft_model) if draft_model else None,
                 num_speculative_tokens=num_speculative_tokens)
-        self.model = load_model(model, dtype=dtype, device=device)
+        self.model = load_model(model, dtype=inference_dtype(model, dtype, device, compiled_step), device=device)
         self.num_threads = configure_threads(self.model, threads)
         pack_for_inference(self.model)
         config = self.model.config
