@@ -58,7 +58,7 @@ class ModelRunner:
             else self.dtype
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
-        if self.device.type == "cpu" and torch.float32 in (self.dtype, cache_dtype):
+        if self.device.type == "cpu":  # the logits' kernel (float32 and bfloat16 heads)
             rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
         self.proposer = None
