@@ -119,6 +119,27 @@ def test_the_engine_with_an_adaptive_width_is_lossless_and_learns():
     assert 0.8 * prompt_tokens < policy.prompt_rows <= prompt_tokens and policy.committed > 0
 
 
+def test_fixed_width_verifies_k_every_step_and_leaves_the_policy_as_it_was():
+    """What the speed check of `eyas generate` times: the draft at K, not the width policy's trials."""
+    from eyas import LLM, SamplingParams
+    from eyas.config import SpeculativeConfig
+    from eyas.paths import DEFAULT_MODEL
+
+    llm = LLM(DEFAULT_MODEL, max_num_seqs=2, speculative_config=SpeculativeConfig(
+        method="mtp", num_speculative_tokens=3, adaptive_width=True))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    policy = llm.speculative.adaptive
+    policy.width = lambda *args: 0  # a policy that would draft nothing
+    with llm.fixed_width():
+        fixed = llm.generate(["def add(a, b):\n", "x = ["], params)
+        assert llm.speculative.adaptive is None
+    assert llm.speculative.adaptive is policy and not policy.buckets  # it learnt nothing meanwhile
+    # every step verified 3 drafts but the last ones, whose drafts max_tokens caps
+    assert all(o.verified_counts[2] >= o.verified_counts[0] - 2 > 0 for o in fixed), [o.verified_counts for o in fixed]
+    adaptive = llm.generate(["def add(a, b):\n"], params)[0]
+    assert adaptive.num_drafted == 0 and adaptive.token_ids == fixed[0].token_ids
+
+
 def test_an_unlucky_first_trial_does_not_park_a_position():
     """At batch 1 each trial is a coin flip: q_k is the plain mean until 1 / alpha_per_trial trials, so a first
     rejection followed by acceptances reads as their mean, not as an EMA stuck near the first 0."""

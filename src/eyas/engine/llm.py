@@ -240,6 +240,23 @@ class LLM:
         finally:
             self.runner.proposer = proposer
 
+    @contextmanager
+    def fixed_width(self) -> Iterator[None]:
+        """Requests started inside the block verify the configured width every step (K, or the override for the
+        batch size) instead of the adaptive width's choice, which learns nothing meanwhile: a draft timed as it is,
+        not while the width policy explores. No request may be in flight on entry."""
+        if self.scheduler.has_work():
+            raise RuntimeError("fixed_width() needs an idle engine: finish the running requests first")
+        proposer = self.runner.proposer
+        adaptive = proposer.adaptive if proposer is not None else None
+        if proposer is not None:
+            proposer.adaptive = None
+        try:
+            yield
+        finally:
+            if proposer is not None:
+                proposer.adaptive = adaptive
+
     def abort(self, seq: Sequence) -> None:
         """Cancel a request between steps: it finishes with reason "abort" and its KV blocks are freed now."""
         if not seq.is_finished:
