@@ -26,7 +26,7 @@ def main() -> None:
     args = run_args(__doc__, warmup_runs=1).parse_args()
 
     prompts = read_prompt_file(args.prompts)
-    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads)
+    common = dict(max_num_seqs=max(args.concurrency), threads=args.threads, dtype="float32")
     spec = SpeculativeConfig(method="eagle", draft_model=str(args.draft_model),
                              num_speculative_tokens=args.num_speculative_tokens, adaptive_width=True)
     start = time.perf_counter()

@@ -66,7 +66,7 @@ def one_call(batch: int, context: int, positions: int, layers: int, repeats: int
 
 def decode_runs(concurrency: list[int], rounds: int) -> None:
     prompts = read_prompt_file(DEFAULT_EVAL_PROMPTS)
-    llm = LLM(DEFAULT_MODEL, max_num_seqs=max(concurrency), threads=1, compiled_step=True)
+    llm = LLM(DEFAULT_MODEL, max_num_seqs=max(concurrency), threads=1, compiled_step=True, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     takes = latent_kernel.takes
     print(f"{'c':>3} {'kernel tok/s':>13} {'SDPA tok/s':>11} {'kernel / SDPA':>14}")

@@ -60,7 +60,7 @@ class TimedCall:
 
 
 def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_tokens: int) -> dict:
-    llm = LLM(model, max_num_seqs=1, compiled_step=True, threads=1,
+    llm = LLM(model, max_num_seqs=1, compiled_step=True, threads=1, dtype="float32",
               **({"speculative_config": config} if config is not None else {}))
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16))  # first calls and caches, untimed
     runner, times = llm.runner, defaultdict(list)

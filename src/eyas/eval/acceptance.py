@@ -360,7 +360,7 @@ def add_cli(subparsers) -> None:
         "eval", help="acceptance length per category of a draft on a prompts file, through the engine",
         description=__doc__)
     p.add_argument("prompts", type=Path, help="JSONL prompts file (category + turns, or category + prompt)")
-    EngineArgs.add_cli_args(p, without=("--dtype", "--device", "--max-model-len", "--kv-cache-memory"))
+    EngineArgs.add_cli_args(p, without=("--device", "--max-model-len", "--kv-cache-memory"))
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (residual rule)")
     p.add_argument("--seed", type=int, default=0)
