@@ -83,7 +83,9 @@ class LLM:
                  num_speculative_tokens: int | None = None, speculative_config: SpeculativeConfig | None = None,
                  threads: int | None = None, compiled_step: bool = False,
                  progress: Callable[[str], None] | None = None) -> None:
-        """`speculative_method` "eagle" or "dflash" (with `draft_model`) or "mtp" turns on speculative decoding
+        """`dtype` "auto": bfloat16 on accelerators, and on CPUs with AMX for a bfloat16 checkpoint with
+        `compiled_step`; else float32 (eyas.checkpoint.inference_dtype).
+        `speculative_method` "eagle" or "dflash" (with `draft_model`) or "mtp" turns on speculative decoding
         (`num_speculative_tokens`: 3 drafts a step, a DFlash draft's block_size - 1);
         `speculative_config` gives every speculative setting at once. `threads`: torch CPU threads (default: the
         rule in eyas.threads, 1 on CPU for small models), set for the whole process. `compiled_step`: decode and
