@@ -96,7 +96,7 @@ def add_cli(subparsers) -> None:
                               description=__doc__)
     p.add_argument("data", type=Path, help="JSONL conversations (OpenAI messages or ShareGPT conversations)")
     p.add_argument("out", type=Path, help="output JSONL (messages form); appended to, so reruns resume")
-    EngineArgs.add_cli_args(p, max_num_seqs=32, without=("--dtype", "--device", "--max-model-len"), speculative=False)
+    EngineArgs.add_cli_args(p, max_num_seqs=32, without=("--device", "--max-model-len"), speculative=False)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
