@@ -177,6 +177,23 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
         tokens, outs = run(target, True, dtype="bfloat16", **spec)
         assert tokens == expected and sum(o.num_drafted for o in outs) > 0, spec
 
+def test_frozen_kernels_are_called_at_every_row_count_when_loaded(models, monkeypatch):
+    """A frozen kernel's GEMMs set themselves up on the first call at each row count: that is paid at load, not by
+    a server's first prompts of each length (nor in the adaptive width's timings)."""
+    from collections import defaultdict
+
+    target, drafts = models
+    seen = defaultdict(set)
+    call = compiled_step.Kernel.__call__
+    monkeypatch.setattr(compiled_step.Kernel, "__call__",
+                        lambda self, weights, *a: seen[self.name].add(a[0].shape[0]) or call(self, weights, *a))
+    LLM(target, max_num_seqs=1, dtype="bfloat16", compiled_step=True, speculative_method="eagle",
+        draft_model=drafts["mla"], num_speculative_tokens=3)
+    assert any(name.startswith("draft-") for name in seen) and len(seen) > 3
+    every = set(range(1, compiled_step.MAX_ROWS + 1))
+    assert all(rows >= every for rows in seen.values()), {name: len(rows) for name, rows in seen.items()}
+
+
 def test_a_tensor_the_modules_do_not_hold_is_refused():
     norm = torch.nn.LayerNorm(8)
     outside = torch.ones(8)
