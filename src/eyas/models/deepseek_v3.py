@@ -465,14 +465,23 @@ class TargetHead(nn.Module):
         self.tie_weights()
 
     def pack(self) -> None:
-        """For inference on CPU with a tied lm_head (the embedding's matrix, whose rows an embedding reads): a copy
-        in gemv_layout for the rows kernel, so logits are float32 and each row's the same whatever rows run beside
-        it. An untied lm_head is in that layout already (pack_for_inference)."""
+        """For inference on CPU, where lm_head cannot feed the rows kernel as it is: a copy that can, so logits are
+        float32 and each row's the same whatever rows run beside it (bfloat16 matmuls round a row by the row count).
+        A tied lm_head (the embedding's matrix, whose rows an embedding reads) gets one in gemv_layout; with torch on
+        several threads, where BLAS takes the logits instead of the kernel, a bfloat16 one gets a float32 copy. An
+        untied lm_head on one thread is in the kernel's layout already (pack_for_inference)."""
         weight = self.lm_head.weight
-        if self.rows_head is None and weight.device.type == "cpu" and not weight.t().is_contiguous():
-            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-            head.weight = nn.Parameter(gemv_layout(weight.detach()), requires_grad=False)
-            vars(self)["rows_head"] = head  # not a submodule: state_dict stays the checkpoint's
+        if self.rows_head is not None or weight.device.type != "cpu":
+            return
+        if weight.dtype == torch.bfloat16 and torch.get_num_threads() > 1:
+            copy = weight.detach().float()
+        elif not weight.t().is_contiguous():
+            copy = weight.detach()
+        else:
+            return
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        head.weight = nn.Parameter(gemv_layout(copy), requires_grad=False)
+        vars(self)["rows_head"] = head  # not a submodule: state_dict stays the checkpoint's
 
     @property
     def tied_weights(self) -> tuple[str, ...]:
@@ -488,7 +497,8 @@ class TargetHead(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # on CPU the rows kernel: float32 logits, each row's the same whatever rows run beside it (bfloat16 matmuls
         # round a row by the row count), and a few rows 2x faster than BLAS (eyas.models.rows_matmul)
-        return linear_rows(hidden, self.rows_head if self.rows_head is not None else self.lm_head)
+        head = self.rows_head if self.rows_head is not None else self.lm_head
+        return linear_rows(hidden if hidden.dtype == head.weight.dtype else hidden.to(head.weight.dtype), head)
 
 
 class DeepseekV3ForCausalLM(TargetHead):
