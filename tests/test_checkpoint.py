@@ -196,5 +196,8 @@ def test_the_engines_auto_dtype_is_a_bfloat16_checkpoints_own_on_a_cpu_with_amx_
     assert ckpt.inference_dtype(tmp_path / "bfloat16", "float32", "cpu", True) == torch.float32  # asked for, kept
     assert ckpt.inference_dtype(tmp_path / "float32", "bfloat16", "cpu", False) == torch.bfloat16
     assert ckpt.inference_dtype(tmp_path / "missing", "auto", "cpu", True) == torch.float32  # load_model says why
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "config.json").write_text("[" * 100000 + "]" * 100000)  # load_model refuses it, naming it
+    assert ckpt.inference_dtype(tmp_path / "deep", "auto", "cpu", True) == torch.float32
     assert ckpt.inference_dtype(tmp_path / "float32", "auto", "cuda", False) == torch.bfloat16
     assert ckpt.resolve_dtype("auto", torch.device("cpu")) == torch.float32  # training's rule is unchanged

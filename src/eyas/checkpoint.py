@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eyas.config import DeepseekV3Config, read_config_json
+from eyas.config import ConfigError, DeepseekV3Config, read_config_json
 from eyas.models.deepseek_v3 import DeepseekV3ForCausalLM, TargetHead
 from eyas.models.dflash import DFlashConfig, DFlashDraft
 from eyas.models.eagle3 import (
@@ -99,10 +99,10 @@ def inference_dtype(path: str | Path, dtype: str | torch.dtype | None, device: s
     device = torch.device(device)
     if dtype in (None, "auto") and device.type == "cpu" and compiled_step and cpu_has_amx():
         try:
-            raw = json.loads((Path(path) / "config.json").read_text())
-        except (OSError, ValueError):
+            raw = read_config_json(Path(path) / "config.json", "a DeepSeek-V3-family checkpoint")
+        except ConfigError:
             raw = {}  # load_model says what is wrong with the checkpoint
-        if isinstance(raw, dict) and (raw.get("torch_dtype") or raw.get("dtype")) == "bfloat16":
+        if (raw.get("torch_dtype") or raw.get("dtype")) == "bfloat16":
             return torch.bfloat16
     return resolve_dtype(dtype, device)
 
