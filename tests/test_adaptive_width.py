@@ -328,6 +328,23 @@ def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width(
     assert run(fresh, 3, batch=8, times=slow) == [3, 2, 1]
 
 
+def test_a_bucket_beside_one_that_drafts_nothing_tries_width_0_only_then_probes_up():
+    """Bucket 16 settled on width 0. Bucket 4, created while prompts were prefilled (no try spent), later drains
+    below it: it runs width 0, not a try at width 3 (whose first step would run the draft over every sequence's
+    pause). Where drafting pays at its size it still gets there, by probes."""
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
+    policy = AdaptiveWidth(max_width=3, probe_every=64)
+    assert policy.width(4, catching_up=True) == 0  # bucket 4 exists, its widths not set yet
+    run(policy, 12, batch=16, times=slow)
+    assert policy.buckets[16].width == 0
+    assert run(policy, 8, batch=4, times=slow) == [0] * 8
+    # at one sequence drafting is worth it: a bucket 1 that starts at width 0 probes its way up to width 2
+    widths = run(policy, 400, batch=1)
+    assert widths[:4] == [0] * 4 and policy.buckets[1].width == 2
+    # with no bucket timed a new bucket tries every width, widest first
+    assert run(AdaptiveWidth(max_width=3), 3, batch=4, times=slow) == [3, 2, 1]
+
+
 def test_a_new_bucket_waits_for_its_first_probe_as_long_as_the_settled_one_below():
     """Bucket 1 settled on width 0 and its probes of width 1 backed off to 4 MAX_BACKOFF periods: bucket 2's first
     probe (a probe away from width 0 runs the draft over every sequence's pause) comes that late too, not after one

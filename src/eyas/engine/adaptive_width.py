@@ -19,22 +19,26 @@ median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
-whose tries all went untimed run the nearest timed bucket's width, else 0); a new bucket above a smaller one that
-has timed its widths tries only those up to the smaller one's width (the best width does not grow with the batch:
-each sequence's verify rows cost more of a step), so a server whose load climbs does not run its largest batches at
-the widest width to learn what the smaller ones already showed, and it waits as long before its first probe as the
-smaller one had come to wait (below); a new best replaces the current width only when it beats it by `margin`; every
-`probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of the current width runs for two
-steps (the first proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a
-run of width 0 is timed from its third step), the wider and the narrower in turn, so the line and the acceptance of
-the next position stay fresh at the cost of two steps' difference, not of a run at the widest width. A probe that
-finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the next (up to MAX_BACKOFF
-times). A probe away from width 0 costs more: it also runs the draft over every position every sequence computed
-since the last (its context must have no hole), at one sequence on the bundled models 18 ms against 7 for two steps
-at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer, up to 4
-MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait back to probe_every. The
-width changes only how many drafts are verified: outputs are the same at every width (greedy: token for token;
-sampling: in distribution).
+whose tries all went untimed run the nearest timed bucket's width, else 0). What a new bucket tries is set at its
+first step that could time a width, by the nearest bucket that has timed its own (of two as near, the larger): above
+a smaller one, only the widths up to the smaller one's (the best width does not grow with the batch: each sequence's
+verify rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width
+to learn what the smaller ones already showed; beside one that drafts nothing (width 0), width 0 only, then probes
+up from it: a try away from width 0 first runs the draft over every position of every sequence's pause (random
+prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms, five decode steps of 16
+sequences), which a bucket the batch only passes through, as it drains, pays and seldom times. Such a bucket also
+waits as long before its first probe as that one had come to wait (below). A new best replaces the current width
+only when it beats it by `margin`; every `probe_every` steps (down to a quarter of that below 8 sequences) a
+neighbour of the current width runs for two steps (the first proposes its drafts, the second verifies them and is
+timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is timed from its third step), the wider and the
+narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two steps'
+difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the current
+one doubles the wait before the next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it also runs
+the draft over every position every sequence computed since the last (its context must have no hole), at one
+sequence on the bundled models 18 ms against 7 for two steps at width 0, which at one probe in 128 steps was 4% of
+the run; so on any loss it makes the wait 4x longer, up to 4 MAX_BACKOFF periods (1% there). One that finds its
+width close (or ahead) brings the wait back to probe_every. The width changes only how many drafts are verified:
+outputs are the same at every width (greedy: token for token; sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
@@ -84,7 +88,7 @@ class _Bucket:
     tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the step
     # before chose the same width and no sequence was cut short, so tries are bounded, not repeated until one counts)
     width: int
-    widest: int  # the widest width tried while untimed (a settled smaller bucket's width, else max_width)
+    widest: int | None  # the widest width tried while untimed (None: not set yet, see AdaptiveWidth._set_widest)
     calls: int = 0  # widths chosen so far
     next_probe: int = 0  # the call that starts the next probe (0: not scheduled yet)
     probes: int = 0  # probes so far (even: the wider neighbour, odd: the narrower)
@@ -129,18 +133,28 @@ class AdaptiveWidth:
     def _bucket(self, batch_size: int) -> _Bucket:
         key = bucket_of(batch_size)
         if key not in self.buckets:
-            below = max((k for k in self.buckets if k < key), default=None)
-            settled = below is not None and self._untimed(self.buckets[below]) is None
-            widest = self.buckets[below].width if settled else self.max_width
-            self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(self.max_width + 1)],
-                                        [None] * (self.max_width + 1), [None] * self.max_width, [0] * self.max_width,
-                                        [0] * (self.max_width + 1), widest, widest,
-                                        backoff=self.buckets[below].backoff if settled else 1)
+            n = self.max_width + 1
+            self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(n)], [None] * n,
+                                        [None] * self.max_width, [0] * self.max_width, [0] * n, self.max_width, None)
         return self.buckets[key]
+
+    def _set_widest(self, key: int, bucket: _Bucket) -> None:
+        """The widths a bucket tries, set at its first step that could time one (module docstring): from the nearest
+        bucket that timed its width (of two as near, the larger), if it drafts nothing or is smaller: only up to its
+        width, first probed as late as it had come to probe; else (or with none) every width."""
+        settled = [k for k, b in self.buckets.items()
+                   if k != key and b.widest is not None and self._untimed(b) is None and b.medians[b.width] is not None]
+        bucket.widest = self.max_width
+        if settled:
+            near = min(settled, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k))
+            source = self.buckets[near]
+            if source.width == 0 or near < key:
+                bucket.widest = bucket.width = source.width
+                bucket.backoff = source.backoff
 
     def _untimed(self, bucket: _Bucket) -> int | None:
         """The width to try next while some width up to `bucket.widest` has no timed step (None: all were)."""
-        for w in range(bucket.widest, -1, -1):
+        for w in range(self.max_width if bucket.widest is None else bucket.widest, -1, -1):
             wanted = self.min_samples if w == 0 else 1  # width 0 is never read off the line
             if len(bucket.samples[w]) < wanted and bucket.tries[w] < MAX_TRIES + wanted - 1:
                 return w
@@ -157,6 +171,8 @@ class AdaptiveWidth:
 
     def _choose(self, batch_size: int, bucket: _Bucket, catching_up: bool) -> int:
         bucket.calls += 1
+        if bucket.widest is None and not catching_up:
+            self._set_widest(bucket_of(batch_size), bucket)
         untimed = self._untimed(bucket)
         if untimed is not None and not catching_up:
             bucket.tries[untimed] += 1
