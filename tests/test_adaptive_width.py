@@ -345,6 +345,23 @@ def test_a_bucket_beside_one_that_drafts_nothing_tries_width_0_only_then_probes_
     assert run(AdaptiveWidth(max_width=3), 3, batch=4, times=slow) == [3, 2, 1]
 
 
+def test_a_bucket_still_trying_widths_lends_none():
+    """Bucket 2 timed one try at width 3 and is still trying width 0 (its steps went untimed) when bucket 4
+    settles on width 0: prompt steps of bucket 2 and of bucket 1 (new) run bucket 4's width 0, not bucket 2's one
+    timed width 3, which would run the draft over every prompt position."""
+    from eyas.engine.adaptive_width import MAX_TRIES
+
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
+    policy = AdaptiveWidth(max_width=3, probe_every=64)
+    assert policy.width(2) == 3
+    policy.observe(2, 3, 0.008, [(3, 1), (3, 0)])
+    assert [policy.width(2) for _ in range(2 * MAX_TRIES + 2)] == [2] * MAX_TRIES + [1] * MAX_TRIES + [0, 0]
+    run(policy, 12, batch=4, times=slow)
+    assert policy.buckets[4].width == 0 and policy.buckets[2].medians[3] is not None
+    assert policy.width(2, catching_up=True) == 0
+    assert policy.width(1, catching_up=True) == 0
+
+
 def test_a_new_bucket_waits_for_its_first_probe_as_long_as_the_settled_one_below():
     """Bucket 1 settled on width 0 and its probes of width 1 backed off to 4 MAX_BACKOFF periods: bucket 2's first
     probe (a probe away from width 0 runs the draft over every sequence's pause) comes that late too, not after one

@@ -142,8 +142,7 @@ class AdaptiveWidth:
         """The widths a bucket tries, set at its first step that could time one (module docstring): from the nearest
         bucket that timed its width (of two as near, the larger), if it drafts nothing or is smaller: only up to its
         width, first probed as late as it had come to probe; else (or with none) every width."""
-        settled = [k for k, b in self.buckets.items()
-                   if k != key and b.widest is not None and self._untimed(b) is None and b.medians[b.width] is not None]
+        settled = [k for k, b in self.buckets.items() if k != key and self._settled(b)]
         bucket.widest = self.max_width
         if settled:
             near = min(settled, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k))
@@ -151,6 +150,10 @@ class AdaptiveWidth:
             if source.width == 0 or near < key:
                 bucket.widest = bucket.width = source.width
                 bucket.backoff = source.backoff
+
+    def _settled(self, bucket: _Bucket) -> bool:
+        """Done trying widths, and its width timed: a bucket whose width others may take."""
+        return self._untimed(bucket) is None and bucket.medians[bucket.width] is not None
 
     def _untimed(self, bucket: _Bucket) -> int | None:
         """The width to try next while some width up to `bucket.widest` has no timed step (None: all were)."""
@@ -203,16 +206,19 @@ class AdaptiveWidth:
         return bucket.width
 
     def _borrowed(self, batch_size: int) -> int:
-        """The width of the nearest bucket whose width is timed (of two as near, the larger: the narrower width),
-        else 0. A step that cannot time a width (prompt rows) learns nothing by trying one, and a bucket whose tries
-        all went untimed (one the batch only passes through, as a burst of requests starts and drains) has no
-        time for its width: trying the widest width there cost a burst of 32 requests on the bundled models 27% of
-        its throughput (each try also runs the draft over every position since the last)."""
+        """The width of the nearest settled bucket (of two as near, the larger: the narrower width), else 0. A step
+        that cannot time a width (prompt rows) learns nothing by trying one, and a bucket whose tries all went
+        untimed (one the batch only passes through, as a burst of requests starts and drains) has no time for its
+        width: trying the widest width there cost a burst of 32 requests on the bundled models 27% of its
+        throughput (each try also runs the draft over every position since the last). A bucket still trying
+        widths lends none: one timed try at width 3 of two sequences, while their tries at width 0 went untimed,
+        had its prompt steps, and bucket 1's, run the draft over every prompt position (48 ms for two prompts of
+        128 tokens on the bundled models, ten decode steps of four sequences) on a server holding width 0."""
         key = bucket_of(batch_size).bit_length()
-        timed = [k for k, b in self.buckets.items() if b.medians[b.width] is not None]
-        if not timed:
+        settled = [k for k, b in self.buckets.items() if self._settled(b)]
+        if not settled:
             return 0
-        return self.buckets[min(timed, key=lambda k: (abs(k.bit_length() - key), -k))].width
+        return self.buckets[min(settled, key=lambda k: (abs(k.bit_length() - key), -k))].width
 
     @staticmethod
     def _probe_steps(width: int) -> int:
