@@ -177,6 +177,33 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
         tokens, outs = run(target, True, dtype="bfloat16", **spec)
         assert tokens == expected and sum(o.num_drafted for o in outs) > 0, spec
 
+def test_a_bfloat16_draft_runs_its_kernels_over_prompt_positions_too(models, monkeypatch):
+    """With frozen kernels an EAGLE-3 draft (MLA- and Llama-shaped) runs them over a prompt's positions too, more
+    than MAX_ROWS of them in pieces, never its eager layer (on the bundled draft 512 prompt positions took 12 ms
+    against 16.7 eager); greedy output is the target's own."""
+    from eyas.models.eagle3 import Eagle3Draft
+
+    target, drafts = models
+    prompt = [(7 * i) % 90 + 2 for i in range(compiled_step.MAX_ROWS + 22)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(max_num_seqs=2, max_num_batched_tokens=256, dtype="bfloat16", compiled_step=True)
+    expected = LLM(target, **common).generate([prompt, [5, 6, 7]], params)
+    monkeypatch.setattr(Eagle3Draft, "forward", lambda *a: pytest.fail("a draft step ran the eager layer"))
+    seen = []
+    call = compiled_step.Kernel.__call__
+    monkeypatch.setattr(compiled_step.Kernel, "__call__",
+                        lambda self, weights, *a: seen.append((self.name, a[0].shape[0])) or call(self, weights, *a))
+    for kind in ("mla", "mha"):
+        llm = LLM(target, speculative_method="eagle", draft_model=drafts[kind], num_speculative_tokens=3, **common)
+        seen.clear()
+        outs = llm.generate([prompt, [5, 6, 7]], params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected], kind
+        assert sum(o.num_drafted for o in outs) > 0
+        # the prompt's positions through the draft's input kernel, a piece of MAX_ROWS
+        assert any(name.startswith("draft-") and name.endswith("-inputs") and rows == compiled_step.MAX_ROWS
+                   for name, rows in seen), (kind, seen)
+
+
 def test_frozen_kernels_are_called_at_every_row_count_when_loaded(models, monkeypatch):
     """A frozen kernel's GEMMs set themselves up on the first call at each row count: that is paid at load, not by
     a server's first prompts of each length (nor in the adaptive width's timings)."""
