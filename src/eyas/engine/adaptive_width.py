@@ -19,26 +19,27 @@ median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
-whose tries all went untimed run the nearest timed bucket's width, else 0). What a new bucket tries is set at its
-first step that could time a width, by the nearest bucket that has timed its own (of two as near, the larger): above
-a smaller one, only the widths up to the smaller one's (the best width does not grow with the batch: each sequence's
-verify rows cost more of a step), so a server whose load climbs does not run its largest batches at the widest width
-to learn what the smaller ones already showed; beside one that drafts nothing (width 0), width 0 only, then probes
-up from it: a try away from width 0 first runs the draft over every position of every sequence's pause (random
-prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms with the draft's layer eager,
-five decode steps of 16 sequences), which a bucket the batch only passes through, as it drains, pays and seldom
-times. Such a bucket also waits as long before its first probe as that one had come to wait (below). A new best
-replaces the current width only when it beats it by `margin`; every `probe_every` steps (down to a quarter of that
-below 8 sequences) a neighbour of the current width runs for two steps (the first proposes its drafts, the second
-verifies them and is timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is timed from its third step), the
-wider and the narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of two
-steps' difference, not of a run at the widest width. A probe that finds its width more than BACKOFF_LOSS behind the
-current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it
-also runs the draft over every position every sequence computed since the last (its context must have no hole), at
-one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at one probe in 128 steps was 4%
-of the run; so on any loss it makes the wait 4x longer, up to 4 MAX_BACKOFF periods (1% there). One that finds its
-width close (or ahead) brings the wait back to probe_every. The width changes only how many drafts are verified:
-outputs are the same at every width (greedy: token for token; sampling: in distribution).
+whose tries all went untimed run the nearest settled bucket's width, that of one done trying widths, else 0). What a
+new bucket tries is set at its first step that could time a width, by the nearest bucket that has timed its own (of
+two as near, the larger): above a smaller one, only the widths up to the smaller one's (the best width does not grow
+with the batch: each sequence's verify rows cost more of a step), so a server whose load climbs does not run its
+largest batches at the widest width to learn what the smaller ones already showed; beside one that drafts nothing
+(width 0), width 0 only, then probes up from it: a try away from width 0 first runs the draft over every position of
+every sequence's pause (random prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms
+with the draft's layer eager, five decode steps of 16 sequences), which a bucket the batch only passes through, as
+it drains, pays and seldom times. Such a bucket also waits as long before its first probe as that one had come to
+wait (below). A new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
+(down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
+proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is
+timed from its third step), the wider and the narrower in turn, so the line and the acceptance of the next position
+stay fresh at the cost of two steps' difference, not of a run at the widest width. A probe that finds its width more
+than BACKOFF_LOSS behind the current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away
+from width 0 costs more: it also runs the draft over every position every sequence computed since the last (its
+context must have no hole), at one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at
+one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer, up to 4 MAX_BACKOFF periods
+(1% there). One that finds its width close (or ahead) brings the wait back to probe_every. The width changes only
+how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling: in
+distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
