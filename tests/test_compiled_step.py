@@ -178,30 +178,51 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
         assert tokens == expected and sum(o.num_drafted for o in outs) > 0, spec
 
 def test_a_bfloat16_draft_runs_its_kernels_over_prompt_positions_too(models, monkeypatch):
-    """With frozen kernels an EAGLE-3 draft (MLA- and Llama-shaped) runs them over a prompt's positions too, more
-    than MAX_ROWS of them in pieces, never its eager layer (on the bundled draft 512 prompt positions took 12 ms
-    against 16.7 eager); greedy output is the target's own."""
+    """With frozen kernels a draft (EAGLE-3 MLA- and Llama-shaped, the MTP layer) runs them over a prompt's positions
+    too, more than MAX_ROWS of them in pieces, never its eager layer (on the bundled draft 512 prompt positions took
+    12 ms against 16.7 eager); greedy output is the target's own."""
     from eyas.models.eagle3 import Eagle3Draft
+    from eyas.models.mtp import MTPDraft
 
     target, drafts = models
     prompt = [(7 * i) % 90 + 2 for i in range(compiled_step.MAX_ROWS + 22)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     common = dict(max_num_seqs=2, max_num_batched_tokens=256, dtype="bfloat16", compiled_step=True)
     expected = LLM(target, **common).generate([prompt, [5, 6, 7]], params)
-    monkeypatch.setattr(Eagle3Draft, "forward", lambda *a: pytest.fail("a draft step ran the eager layer"))
+    for draft in (Eagle3Draft, MTPDraft):
+        monkeypatch.setattr(draft, "forward", lambda *a: pytest.fail("a draft step ran the eager layer"))
     seen = []
     call = compiled_step.Kernel.__call__
     monkeypatch.setattr(compiled_step.Kernel, "__call__",
                         lambda self, weights, *a: seen.append((self.name, a[0].shape[0])) or call(self, weights, *a))
-    for kind in ("mla", "mha"):
-        llm = LLM(target, speculative_method="eagle", draft_model=drafts[kind], num_speculative_tokens=3, **common)
+    for spec in (dict(speculative_method="eagle", draft_model=drafts["mla"], num_speculative_tokens=3),
+                 dict(speculative_method="eagle", draft_model=drafts["mha"], num_speculative_tokens=3),
+                 dict(speculative_method="mtp", num_speculative_tokens=2)):
+        llm = LLM(target, **spec, **common)
         seen.clear()
         outs = llm.generate([prompt, [5, 6, 7]], params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in expected], kind
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected], spec
         assert sum(o.num_drafted for o in outs) > 0
-        # the prompt's positions through the draft's input kernel, a piece of MAX_ROWS
-        assert any(name.startswith("draft-") and name.endswith("-inputs") and rows == compiled_step.MAX_ROWS
-                   for name, rows in seen), (kind, seen)
+        # the prompt's positions through the draft's input kernel in pieces: MAX_ROWS, then the rest
+        inputs = [rows for name, rows in seen if name.startswith(("draft-", "mtp-")) and name.endswith("-inputs")]
+        assert compiled_step.MAX_ROWS in inputs, (spec, seen)
+
+
+def test_a_kernel_over_more_rows_than_it_takes_runs_in_pieces_none_under_its_fewest():
+    """MAX_ROWS rows a call; a kernel that takes 2 rows at least (the MTP layer's many-row form) never gets a last
+    piece of one."""
+    rows = []
+
+    def kernel(weights, x):
+        rows.append(x.shape[0])
+        return [x * 2]
+
+    x = torch.arange(2 * compiled_step.MAX_ROWS + 1.0)
+    for least, expected in ((1, [compiled_step.MAX_ROWS, compiled_step.MAX_ROWS, 1]),
+                            (2, [compiled_step.MAX_ROWS, compiled_step.MAX_ROWS - 1, 2])):
+        rows.clear()
+        assert torch.equal(compiled_step._in_pieces((kernel, []), x, least_rows=least)[0], x * 2)
+        assert rows == expected
 
 
 def test_frozen_kernels_are_called_at_every_row_count_when_loaded(models, monkeypatch):

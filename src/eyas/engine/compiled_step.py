@@ -345,13 +345,17 @@ class CompiledTarget:
         return normed, [captured[i] for i in aux_hidden_state_ids]
 
 
-def _in_pieces(call: tuple[Kernel, list[torch.Tensor]], *args: torch.Tensor) -> list[torch.Tensor]:
-    """A kernel over rows of any count: MAX_ROWS at a time (each row's outputs are its own)."""
+def _in_pieces(call: tuple[Kernel, list[torch.Tensor]], *args: torch.Tensor, least_rows: int = 1
+               ) -> list[torch.Tensor]:
+    """A kernel over rows of any count: MAX_ROWS at a time (each row's outputs are its own), no piece under
+    `least_rows` (the fewest the kernel takes)."""
     kernel, weights = call
-    if args[0].shape[0] <= MAX_ROWS:
+    rows = args[0].shape[0]
+    if rows <= MAX_ROWS:
         return kernel(weights, *args)
-    pieces = [kernel(weights, *(a[start:start + MAX_ROWS] for a in args))
-              for start in range(0, args[0].shape[0], MAX_ROWS)]
+    bounds = [*range(0, rows, MAX_ROWS), rows]
+    bounds[-2] = min(bounds[-2], rows - least_rows)
+    pieces = [kernel(weights, *(a[start:end] for a in args)) for start, end in zip(bounds, bounds[1:])]
     return [torch.cat(outputs) for outputs in zip(*pieces)]
 
 
@@ -473,7 +477,8 @@ class CompiledMTP(_CompiledSteps):
     input fusion (the token's embedding and enorm, hnorm, eh_proj) with the layer up to its cache write (rope
     inside), then the layer after its attention,
     whose MoE has a one-row form that reads only the row's routed experts. The attention over the draft's cache runs
-    eager between them; steps it does not take (`CompiledTarget.takes`) run the layer eager."""
+    eager between them; steps it does not take (`CompiledTarget.takes`) run the layer eager, except with frozen kernels
+    (bfloat16), which run every step, as CompiledDraft's do."""
 
     def __init__(self, draft: MTPDraft, progress: Callable[[str], None] | None = None) -> None:
         self.draft = draft
@@ -508,17 +513,19 @@ class CompiledMTP(_CompiledSteps):
                                                                          config_settings(draft.config), progress,
                                                                          frozen(dtype, device))
         self.seconds = time.perf_counter() - start
+        self.every_step = frozen(dtype, device)  # as CompiledDraft's
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
                  cache: torch.Tensor) -> torch.Tensor:
         draft, layer = self.draft, self.draft.layer
-        if not CompiledTarget.takes(attn):
+        if not (self.every_step or CompiledTarget.takes(attn)):
             return draft(hidden, next_token_ids, attn, cache)
-        kernel, weights = self.inputs
-        h, q, latent = kernel(weights, next_token_ids, hidden, attn.positions)
+        h, q, latent = _in_pieces(self.inputs, next_token_ids, hidden, attn.positions)
         out = layer.self_attn.cached_attention(q, latent, attn, cache)
-        kernel, weights = self.outputs_one_row if attn.num_tokens == 1 else self.outputs
-        return kernel(weights, h, out)[0]
+        if attn.num_tokens == 1:
+            kernel, weights = self.outputs_one_row
+            return kernel(weights, h, out)[0]
+        return _in_pieces(self.outputs, h, out, least_rows=2)[0]
 
 
 def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None,
