@@ -450,12 +450,12 @@ class CompiledDraft(_CompiledSteps):
                  (f"draft-{arch}-inputs", before, inputs, (token_ids, hidden, positions)),
                  (f"draft-{arch}-outputs", after, lambda residual, out: (draft.carried(layer.after_attention(
                      residual, out)),), (residual, out))]
+        self.every_step = frozen(dtype, device)
         start = time.perf_counter()
         self.fuse, self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
                                                               config_settings(draft.config), progress,
-                                                              frozen(dtype, device))
+                                                              self.every_step)
         self.seconds = time.perf_counter() - start
-        self.every_step = frozen(dtype, device)
 
     def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
                               ) -> torch.Tensor:
@@ -508,12 +508,12 @@ class CompiledMTP(_CompiledSteps):
         calls = [("mtp-inputs", before, inputs, two[:3], (1, MAX_ROWS)),
                  ("mtp-outputs", after, outputs, two[3:], (2, MAX_ROWS)),
                  ("mtp-outputs-1row", after, outputs, one[3:], (1, 1))]
+        self.every_step = frozen(dtype, device)
         start = time.perf_counter()
         self.inputs, self.outputs, self.outputs_one_row = _draft_kernels("the MTP layer", calls,
                                                                          config_settings(draft.config), progress,
-                                                                         frozen(dtype, device))
+                                                                         self.every_step)
         self.seconds = time.perf_counter() - start
-        self.every_step = frozen(dtype, device)  # as CompiledDraft's
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
                  cache: torch.Tensor) -> torch.Tensor:

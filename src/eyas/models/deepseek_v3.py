@@ -498,7 +498,7 @@ class TargetHead(nn.Module):
         # on CPU the rows kernel: float32 logits, each row's the same whatever rows run beside it (bfloat16 matmuls
         # round a row by the row count), and a few rows 2x faster than BLAS (eyas.models.rows_matmul)
         head = self.rows_head if self.rows_head is not None else self.lm_head
-        return linear_rows(hidden if hidden.dtype == head.weight.dtype else hidden.to(head.weight.dtype), head)
+        return linear_rows(hidden.to(head.weight.dtype), head)
 
 
 class DeepseekV3ForCausalLM(TargetHead):
