@@ -2,12 +2,14 @@
 
     python benchmarks/latent_attention.py                      # one layer's call, then whole decode runs
     python benchmarks/latent_attention.py --concurrency 16 32 --skip-calls
+    python benchmarks/latent_attention.py --batch 1 --heads 128 --concurrency   # the calls only
 
 1. One layer's attention call, float32, one thread: --batch sequences of --context positions (each sequence's
    context its own length, 0.5 to 1x --context, causal), 4 heads, 576-wide latents, 512-wide values, at 1 and 4
    positions per sequence (decode and verify at K=3); microseconds per call, the median of --repeats over --layers
    distinct caches (as the layers of a step read them, not from cache), each kernel against SDPA, and the kernel
-   over the same latents kept in bfloat16 (as a bfloat16 model keeps them).
+   over the same latents kept in bfloat16 (as a bfloat16 model keeps them): on AMX tiles where the CPU has them,
+   beside the vector path over the same latents. --heads 128 --batch 1: a DeepSeek-V3 layer's query rows.
 2. The bundled target, compiled step, plain greedy decoding of 96 tokens on 3c eval prompts at most c at a time, the
    attention through the kernel and through SDPA (the kernel switched off in the same process), interleaved rounds;
    output tok/s and their ratio. Tokens must be equal.
@@ -28,10 +30,10 @@ from eyas.paths import DEFAULT_EVAL_PROMPTS, DEFAULT_MODEL
 from eyas.records import read_prompt_file
 
 
-def one_call(batch: int, context: int, positions: int, layers: int, repeats: int) -> tuple[float, float, float]:
-    """Microseconds per call (kernel over float32 latents, kernel over bfloat16 latents, SDPA) over `layers`
-    caches, median of `repeats`."""
-    heads, width, value = 4, 576, 512
+def one_call(batch: int, context: int, positions: int, heads: int, layers: int, repeats: int) -> dict[str, float]:
+    """Microseconds per call over `layers` caches, median of `repeats`: the kernel over float32 latents, over
+    bfloat16 latents (and, where that runs on AMX tiles, on the vector path too), SDPA."""
+    width, value = 576, 512
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(batch, context, width, generator=generator) for _ in range(layers)]
     q = torch.randn(batch, positions * heads, width, generator=generator)
@@ -50,8 +52,7 @@ def one_call(batch: int, context: int, positions: int, layers: int, repeats: int
     def sdpa(kv):
         return F.scaled_dot_product_attention(q[:, None], kv[:, None], kv[:, None], attn_mask=head_bias, scale=0.1)
 
-    out = []
-    for fn, latents in ((kernel, caches), (kernel, halves), (sdpa, caches)):
+    def timed(fn, latents) -> float:
         for kv in latents:
             fn(kv)
         times = []
@@ -60,8 +61,17 @@ def one_call(batch: int, context: int, positions: int, layers: int, repeats: int
             for kv in latents:
                 fn(kv)
             times.append((time.perf_counter() - start) / layers)
-        out.append(statistics.median(times) * 1e6)
-    return out[0], out[1], out[2]
+        return statistics.median(times) * 1e6
+
+    out = {"float32": timed(kernel, caches), "bfloat16": timed(kernel, halves)}
+    if latent_kernel.on_tiles():
+        latent_kernel.use_tiles(False)
+        try:
+            out["bfloat16 vector"] = timed(kernel, halves)
+        finally:
+            latent_kernel.use_tiles(True)
+    out["sdpa"] = timed(sdpa, caches)
+    return out
 
 
 def decode_runs(concurrency: list[int], rounds: int) -> None:
@@ -95,22 +105,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--heads", type=int, default=4, help="query heads per position (default 4, the bundled model's)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 32],
+                    help="decode runs at these concurrencies (default 1 16 32; none: the calls only)")
     ap.add_argument("--rounds", type=int, default=3, help="timed decode rounds per engine (default 3)")
     ap.add_argument("--skip-calls", action="store_true", help="only the decode runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not args.skip_calls:
-        print(f"one layer's call: {args.batch} sequences, contexts {args.context // 2}-{args.context}, 4 heads, "
-              "576-wide latents, float32, one thread; us per call")
+        tiles = latent_kernel.on_tiles()
+        print(f"one layer's call: {args.batch} sequences, contexts {args.context // 2}-{args.context}, {args.heads} "
+              f"heads, 576-wide latents, one thread; us per call (bfloat16 latents on AMX tiles: {tiles})")
         for positions in (1, 4):
-            kernel, half, sdpa = one_call(args.batch, args.context, positions, args.layers, args.repeats)
-            print(f"  {positions} position(s) per sequence: kernel {kernel:.0f}, SDPA {sdpa:.0f} "
-                  f"({sdpa / kernel:.2f}x); kernel over bfloat16 latents {half:.0f} ({kernel / half:.2f}x float32's)",
-                  flush=True)
-    decode_runs(args.concurrency, args.rounds)
+            t = one_call(args.batch, args.context, positions, args.heads, args.layers, args.repeats)
+            line = (f"  {positions} position(s) per sequence: kernel {t['float32']:.0f}, SDPA {t['sdpa']:.0f} "
+                    f"({t['sdpa'] / t['float32']:.2f}x); kernel over bfloat16 latents {t['bfloat16']:.0f} "
+                    f"({t['float32'] / t['bfloat16']:.2f}x float32's)")
+            if tiles:
+                line += (f", on the vector path {t['bfloat16 vector']:.0f} (tiles "
+                         f"{t['bfloat16 vector'] / t['bfloat16']:.2f}x the vector path)")
+            print(line, flush=True)
+    if args.concurrency:
+        decode_runs(args.concurrency, args.rounds)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The paged, absorbed attention path computes what the no-cache, expanded path computes."""
 
+import os
+
 import pytest
 import torch
 from tiny import YARN, add_mtp_weights, make_hf_checkpoint
@@ -464,7 +466,7 @@ def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, 
     computed alone as beside other rows and other sequences (decode and verify agree bit for bit)."""
     import torch.nn.functional as F
 
-    from eyas.models.latent_kernel import latent_attention, takes
+    from eyas.models.latent_kernel import latent_attention, on_tiles, takes
 
     torch.manual_seed(0)
     batch, context = 3, 45
@@ -482,18 +484,64 @@ def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, 
     last = latent_attention(q[2:, -heads:], kv[2:], bias[2:, -1:], 0.2, value_dim)  # one sequence's last position
     assert torch.equal(last, out[2:, -heads:])
     # latents kept in bfloat16 (and queries in bfloat16, as a bfloat16 model's are): what float32 arithmetic over
-    # their values gives, rows alike alone or not
+    # their values gives (on AMX tiles, with each softmax weight rounded to bfloat16: off by at most 2^-9 of the
+    # largest value, as each weight is off by 2^-9 of itself), rows alike alone or not
     half, q = kv.bfloat16(), q.bfloat16().float()
     assert takes(q, half, value_dim) and takes(q.bfloat16(), half, value_dim) and not takes(q.half(), half, value_dim)
     out = latent_attention(q, half, bias, 0.2, value_dim)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, latent_attention(q, half.float(), bias, 0.2, value_dim), rtol=1e-5, atol=2e-6)
+    exact = latent_attention(q, half.float(), bias, 0.2, value_dim)
+    if on_tiles():
+        assert 0 < (out - exact).abs().max() <= half[..., :value_dim].float().abs().max() * 2 ** -9
+    else:
+        torch.testing.assert_close(out, exact, rtol=1e-5, atol=2e-6)
     assert torch.equal(latent_attention(q[2:, -heads:], half[2:], bias[2:, -1:], 0.2, value_dim), out[2:, -heads:])
     # bfloat16 queries in, bfloat16 out: the float32 result rounded, as torch rounds it; over float32 latents too
     for latents in (half, half.float()):
         wide = latent_attention(q, latents, bias, 0.2, value_dim)
         narrow = latent_attention(q.bfloat16(), latents, bias, 0.2, value_dim)
         assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_latent_kernel_gives_a_verify_row_what_decoding_its_position_gives_and_reads_only_its_context(dtype):
+    """Verify rows across the kernel's blocks of positions (contexts of 61 to 200, four positions each) are bit for
+    bit what decoding each position alone over its own context gives, and no cache slot outside a context is read:
+    slots before a sequence's first key and past its context hold NaN, and the outputs do not."""
+    from eyas.models.latent_kernel import latent_attention
+
+    torch.manual_seed(2)
+    heads, positions, width, value_dim = 4, 4, 576, 512
+    lengths, starts = (61, 64, 130, 200), (0, 5, 0, 70)
+    kv = torch.full((len(lengths), 210, width), float("nan"), dtype=dtype)
+    bias = torch.full((len(lengths), positions, 210), float("-inf"))
+    for b, (length, start) in enumerate(zip(lengths, starts)):
+        kv[b, start:length] = torch.randn(length - start, width).to(dtype)
+        for j in range(positions):
+            bias[b, j, start:length - positions + j + 1] = 0.0
+    q = torch.randn(len(lengths), positions * heads, width).to(dtype)
+    verify = latent_attention(q, kv, bias, 0.1, value_dim)
+    assert not verify.isnan().any()
+    for b, length in enumerate(lengths):
+        for j in range(positions):
+            seen = length - positions + j + 1
+            rows = slice(j * heads, (j + 1) * heads)
+            decode = latent_attention(q[b:b + 1, rows], kv[b:b + 1, :seen], bias[b:b + 1, j:j + 1, :seen], 0.1,
+                                      value_dim)
+            assert torch.equal(decode[0], verify[b, rows])
+
+
+def test_the_latent_kernel_runs_on_amx_tiles_where_the_cpu_has_them():
+    """Where the CPU has AMX (and Linux grants its use), attention over bfloat16 latents runs on tiles: its softmax
+    weights are rounded to bfloat16, which moves the output off float32 arithmetic over the same values."""
+    from eyas.models.latent_kernel import latent_attention, on_tiles
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert on_tiles() == (" amx_bf16" in flags and " amx_tile" in flags)
+    torch.manual_seed(3)
+    kv, q, bias = torch.randn(1, 100, 64).bfloat16(), torch.randn(1, 4, 64), torch.zeros(1, 1, 100)
+    moved = latent_attention(q, kv, bias, 0.2, 64) - latent_attention(q.bfloat16().float(), kv.float(), bias, 0.2, 64)
+    assert (moved.abs().max() > 0) == on_tiles()
 
 
 def test_a_prompt_chunk_in_the_latent_kernel_splits_its_rows_among_threads_with_the_same_numbers():
