@@ -402,8 +402,8 @@ static inline int latent_attention(const void *q, int q_half, const void *kv, in
    A row gets the same numbers in any block of rows and over any longer context: its sums read only its own query
    and weights, the blocks of positions start at multiples of 64, and a position it does not see gets a weight of
    exactly 0 (one past the context: a latent of zeros, never a read). Every call over bfloat16 latents takes this
-   path, so decode and verify agree. One sequence over 200 positions (`python benchmarks/latent_attention.py
-   --tiles`): 4 query rows 17 us against 20 on the vector path, 16 rows 21 against 73. */
+   path, so decode and verify agree. One sequence over 200 positions, one decode row (4 query rows): 17 us against 20
+   on the vector path; a verify step's 16 rows: 21 against 73 (latent_kernel.py). */
 #if TILES
 #define TILE 16  /* rows of a tile; positions of a scores tile; value numbers of an output tile */
 
@@ -433,7 +433,8 @@ static inline const char *latent_tile(const char *k, int64_t stride, int64_t s, 
         return k + s * stride;
     }
     memset(edge, 0, TILE * DP * 2);
-    for (int64_t i = s < lo ? lo - s : 0; i < TILE && s + i < hi; i++) memcpy(edge + i * DP, k + (s + i) * stride, D * 2);
+    for (int64_t i = s < lo ? lo - s : 0; i < TILE && s + i < hi; i++)
+        memcpy(edge + i * DP, k + (s + i) * stride, D * 2);
     *row_bytes = DP * 2;
     return (const char *)edge;
 }
@@ -721,7 +722,8 @@ static int latent_attention_on_tiles(const void *q, int q_half, const void *kv, 
                     continue;
                 }
                 for (int64_t c = 0; c < D; c++) {
-                    uint16_t h = q_half ? ((const uint16_t *)qb)[n * D + c] : to_bfloat16(((const float *)qb)[n * D + c]);
+                    uint16_t h = q_half ? ((const uint16_t *)qb)[n * D + c]
+                                        : to_bfloat16(((const float *)qb)[n * D + c]);
                     packed[(c / 32 * TILE * TILE + c % 32 / 2 * TILE + n) * 2 + c % 2] = h;
                 }
             }
