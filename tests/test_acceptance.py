@@ -109,6 +109,30 @@ def test_synthetic_acceptance_rate():
     assert abs(mean - (0.8 + 0.64 + 0.512)) < 0.05  # expected accepted drafts per verify step, K = 3
 
 
+def test_greedy_requests_under_synthetic_acceptance_take_the_greedy_path_with_the_same_draws(tmp_path, monkeypatch):
+    """Greedy requests under the synthetic rule take the verifier's greedy path, the one a greedy run takes (so the
+    rule times the step a real run pays), and keep the drafts and commit the tokens that the general path, which a
+    request for logprobs takes, gives them from the same draws."""
+    from eyas.engine import verifier
+
+    make_hf_checkpoint(tmp_path)
+    add_mtp_weights(tmp_path)
+    general = verifier.Verifier._verify_rows
+    calls = []
+    monkeypatch.setattr(verifier.Verifier, "_verify_rows", lambda self, *a: calls.append(1) or general(self, *a))
+    outs = {}
+    for logprobs in (None, 1):
+        config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive_width=False,
+                                   synthetic_acceptance_rate=0.6)
+        llm = LLM(tmp_path, speculative_config=config)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+        outs[logprobs] = [(o.token_ids, o.num_accepted, o.num_drafted)
+                          for o in llm.generate([[3, 9, 4], [5, 6, 7, 8]], params, use_tqdm=False)]
+        assert bool(calls) == (logprobs is not None)
+    assert outs[None] == outs[1]
+    assert 0 < sum(a for _, a, _ in outs[None]) < sum(d for _, _, d in outs[None])
+
+
 # -- through the engine ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("checkpoint", ["random", "copying"])

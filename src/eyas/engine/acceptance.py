@@ -133,7 +133,12 @@ class AcceptanceRule:
         return len(drafts), _target_choice(logprobs[len(drafts)], params, generator)
 
     def _synthetic_row(self, logprobs, drafts, params, generator) -> tuple[int, int]:
-        for j in range(len(drafts)):
+        accepted = self.synthetic_accepted(len(drafts))
+        return accepted, _target_choice(logprobs[accepted], params, generator)
+
+    def synthetic_accepted(self, num_drafts: int) -> int:
+        """How many of a row's drafts the synthetic rule keeps: each in turn with probability synthetic_rate."""
+        for j in range(num_drafts):
             if _uniform(self.generator) >= self.synthetic_rate:
-                return j, _target_choice(logprobs[j], params, generator)
-        return len(drafts), _target_choice(logprobs[len(drafts)], params, generator)
+                return j
+        return num_drafts

@@ -72,21 +72,23 @@ class Verifier:
 
     def _plain_greedy(self, seqs: list[Sequence]) -> bool:
         """Every sequence greedy, unconstrained, without logprobs, under a rule that keeps a greedy row's drafts
-        while they are its argmax (every rule but the synthetic and relaxed-thinking ones)."""
-        rule = self.accept
+        while they are its argmax (every rule but the relaxed-thinking one) or the synthetic rule (which keeps them
+        by chance, then takes the argmax after them)."""
         return (all(s.params.greedy and s.grammar is None and s.params.logprobs is None for s in seqs)
-                and (rule is None or (rule.synthetic_rate is None and not self.relaxed_thinking)))
+                and not self.relaxed_thinking)
 
     def _greedy(self, logits: torch.Tensor, layout: VerifyLayout, seqs: list[Sequence], num_drafts: list[int],
                 out: Verified) -> None:
         """The greedy rule on all rows at once: the same choices as the general path (process_logits gives a
         greedy row log_softmax(logits / 1.0), and every rule takes its argmax) without its per-row tensors, which
-        at batch 1 cost more than the target's lm_head."""
+        at batch 1 cost more than the target's lm_head. The synthetic rule draws how many drafts to keep as the
+        general path does (so it times the step a greedy run takes, not the general path's)."""
         choices = greedy_ids(logits.float().log_softmax(-1)).tolist()
+        synthetic = self.accept is not None and self.accept.synthetic_rate is not None
         for r, (i, seq, n) in enumerate(zip(layout.sampling, seqs, num_drafts)):
             rows = choices[layout.logit_offsets[r]:layout.logit_offsets[r] + n + 1]
-            accepted = 0
-            while accepted < n and seq.draft_tokens[accepted] == rows[accepted]:
+            accepted = self.accept.synthetic_accepted(n) if synthetic else 0
+            while not synthetic and accepted < n and seq.draft_tokens[accepted] == rows[accepted]:
                 accepted += 1
             out.new_tokens[i] = seq.draft_tokens[:accepted] + [rows[accepted]]
             out.num_accepted[i] = accepted
