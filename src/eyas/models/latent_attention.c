@@ -538,7 +538,8 @@ static int attend_tiles(const uint16_t *packed, const char *k, int64_t stride, c
         for (int j = 0; j < 4; j++)
             at[j] = latent_tile(k, stride, s0 + j * TILE, lo, hi, D, steps * 32, edge + j * TILE * steps * 32,
                                 row_bytes + j);
-        /* scores[s][n] = latent s0 + s . query n, each position tile over every step */
+        /* scores[s][n] = latent s0 + s . query n, each position tile over every step (a tile's number is part of
+           its instruction: each tile is written out) */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
