@@ -87,9 +87,12 @@ class Verifier:
         synthetic = self.accept is not None and self.accept.synthetic_rate is not None
         for r, (i, seq, n) in enumerate(zip(layout.sampling, seqs, num_drafts)):
             rows = choices[layout.logit_offsets[r]:layout.logit_offsets[r] + n + 1]
-            accepted = self.accept.synthetic_accepted(n) if synthetic else 0
-            while not synthetic and accepted < n and seq.draft_tokens[accepted] == rows[accepted]:
-                accepted += 1
+            if synthetic:
+                accepted = self.accept.synthetic_accepted(n)
+            else:
+                accepted = 0
+                while accepted < n and seq.draft_tokens[accepted] == rows[accepted]:
+                    accepted += 1
             out.new_tokens[i] = seq.draft_tokens[:accepted] + [rows[accepted]]
             out.num_accepted[i] = accepted
 

@@ -341,12 +341,11 @@ static inline void narrow(const float *x, int64_t n, uint16_t *y) {
 /* q [B, R, D] contiguous, float32 or (q_half) bfloat16; kv: latent s of batch row b at kv + (b * kv_batch_stride +
    s * kv_row_stride) elements, float32 or (half) bfloat16; bias [B, R / H, S] contiguous, query row r reading bias
    row r / H (H: a position's heads); out [B, R, DV] contiguous, float32 or (out_half) bfloat16, rounded to nearest.
-   Returns 0; -1 when out of memory, -2 for shapes it does not take (DV > D, R not a multiple of H), -3 when a query
-   row sees no position. */
+   Returns 0; -1 when out of memory, -3 when a query row sees no position (latent_attention_run returns -2 first for
+   shapes neither path takes: DV > D, R not a multiple of H). */
 static inline int latent_attention(const void *q, int q_half, const void *kv, int64_t kv_batch_stride,
                                    int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R,
                                    int64_t S, int64_t D, int64_t DV, float scale, void *out, int out_half, int half) {
-    if (DV > D || H < 1 || R % H) return -2;
     int64_t size = half ? 2 : 4, q_size = q_half ? 2 : 4, out_size = out_half ? 2 : 4;
     int dot_bf16 = half && DOT_BF16;
     /* scratch: the block's weights, a spare output row, its queries converted, its outputs before rounding */
@@ -378,7 +377,7 @@ static inline int latent_attention(const void *q, int q_half, const void *kv, in
     return code;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define TILES 1
@@ -690,11 +689,10 @@ static char *thread_scratch(size_t bytes) {
     return memory;
 }
 
-/* latent_attention over bfloat16 latents on tiles (its arguments; half is 1). */
+/* latent_attention over bfloat16 latents on tiles (its arguments, checked by the caller; half is 1). */
 static int latent_attention_on_tiles(const void *q, int q_half, const void *kv, int64_t kv_batch_stride,
                                      int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R,
                                      int64_t S, int64_t D, int64_t DV, float scale, void *out, int out_half) {
-    if (DV > D || H < 1 || R % H) return -2;
     int64_t steps = (D + 31) / 32, chunks = (DV + 31) / 32, q_size = q_half ? 2 : 4, out_size = out_half ? 2 : 4;
     /* scratch: packed queries, the weights' 8 tiles, 64 padded latents, the sums in tiles, the outputs */
     size_t packed_size = (size_t)steps * TILE * 2 * TILE;
@@ -757,6 +755,7 @@ int latent_attention_tiles(int wanted) {
 int latent_attention_run(const void *q, int q_half, const void *kv, int kv_half, int64_t kv_batch_stride,
                          int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R, int64_t S,
                          int64_t D, int64_t DV, float scale, void *out, int out_half) {
+    if (DV > D || H < 1 || R % H) return -2;
 #if TILES
     if (kv_half && tiles_ready)
         return latent_attention_on_tiles(q, q_half, kv, kv_batch_stride, kv_row_stride, bias, H, B, R, S, D, DV, scale,
