@@ -1,5 +1,5 @@
 """Where a batch-1 step's time goes, phase by phase: plain decoding and each draft given, one request at a time on
-held-out prompts, greedy, fixed width, real acceptance, the defaults' compiled step.
+held-out prompts, greedy, fixed width, real acceptance, the defaults' compiled step and dtype.
 
     python benchmarks/step_phases.py       # plain, the bundled EAGLE-3 MLA draft at K=3, the DFlash draft at K=7, 3
     python benchmarks/step_phases.py --draft eagle:examples/tiny-deepseek-v3-eagle3-mha:3 --draft mtp::3
@@ -7,7 +7,11 @@ held-out prompts, greedy, fixed width, real acceptance, the defaults' compiled s
 Each phase is timed by perf_counter around the engine's own method: the whole step (ModelRunner.run), the target
 forward over the step's rows (ModelRunner.forward), the acceptance (Verifier.__call__), the draft's work
 (propose) and, for a block draft, its two parts: writing the new positions' context into the draft's cache and the
-block forward. Medians over every step of the run (the few prompt steps included), and the tokens a step committed.
+block forward; for a chain (EAGLE-3, MTP), each draft forward and each draft head (its greedy proposals). Medians
+over every step of the run (the few prompt steps included), the tokens a step committed, and a step's time over the
+plain step's: speedup / acceptance length is that ratio's inverse (a step commits its tokens in that time against
+one token per plain step), so a chain of K draft steps, each some share of a plain step, bounds it whatever the
+acceptance.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ class TimedCall:
         return getattr(self.inner, name)
 
 
-def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_tokens: int) -> dict:
-    llm = LLM(model, max_num_seqs=1, compiled_step=True, threads=1, dtype="float32",
+def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_tokens: int, dtype: str) -> dict:
+    llm = LLM(model, max_num_seqs=1, compiled_step=True, threads=1, dtype=dtype,
               **({"speculative_config": config} if config is not None else {}))
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16))  # first calls and caches, untimed
     runner, times = llm.runner, defaultdict(list)
@@ -72,12 +76,19 @@ def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_to
         if hasattr(runner.proposer, "_write_context"):  # a block draft
             timed(times, runner.proposer, "_write_context", "propose: context write")
             timed(times, runner.proposer, "_block", "propose: block forward")
+        else:  # a chain: its draft forwards (a compiled draft is called as an object) and its heads
+            draft = runner.proposer.draft
+            timed(times, draft, "greedy_tokens", "propose: draft head")
+            runner.proposer.draft = TimedCall(draft, times, "propose: draft forward")
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
     tokens = sum(len(llm.generate([p], params)[0].token_ids) for p in prompts)
     seconds = time.perf_counter() - start
-    row = {"tokens_per_s": round(tokens / seconds, 1), "steps": len(times["step"]),
-           "tokens_per_step": round(tokens / len(times["step"]), 3)}
+    steps = len(times["step"])
+    row = {"dtype": str(llm.runner.dtype).removeprefix("torch."), "tokens_per_s": round(tokens / seconds, 1),
+           "steps": steps, "tokens_per_step": round(tokens / steps, 3)}
+    if times.get("propose: draft forward"):
+        row["draft forwards per step"] = round(len(times["propose: draft forward"]) / steps, 2)
     return row | {f"{phase} ms": round(1e3 * statistics.median(t), 3) for phase, t in times.items()}
 
 
@@ -91,6 +102,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=REPO / "examples" / "prompts" / "eval.jsonl")
     ap.add_argument("--num-prompts", type=int, default=16, help="the file's first prompts, one at a time")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the target's dtype (default auto, as eyas runs: bfloat16 on CPUs with AMX)")
     ap.add_argument("--out", type=Path, help="write the rows here as JSON")
     args = ap.parse_args()
     prompts = read_prompt_file(args.prompts)[:args.num_prompts]
@@ -102,8 +115,9 @@ def main() -> None:
                                           adaptive_width=False)))
     rows = {}
     for name, config in configs:
-        rows[name] = measure(args.model, config, prompts, args.max_new_tokens)
-        print(name, json.dumps(rows[name]), flush=True)
+        rows[name] = row = measure(args.model, config, prompts, args.max_new_tokens, args.dtype)
+        row["step / plain step"] = round(row["step ms"] / rows["plain"]["step ms"], 3)
+        print(name, json.dumps(row), flush=True)
     if args.out:
         settings = {k: str(v).replace(str(REPO) + "/", "") for k, v in vars(args).items()}
         args.out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
