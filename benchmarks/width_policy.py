@@ -11,9 +11,10 @@ tail of a few sequences that accepted least, whose steps run at a small batch: t
 least, and the tail weighs on the run as it seldom does on a server.) Each engine is warmed at
 that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so a slow
 spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
-output tok/s of each, the best fixed width in hindsight, adaptive / best fixed and speculative / plain, and the
-widths the adaptive policy chose (share of decode steps at each). Greedy outputs of every engine are checked equal
-to plain's, token for token.
+output tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each
+round: how far apart two engines run in one round shows what the medians' ratio is worth) and speculative / plain,
+and the widths the adaptive policy chose (share of decode steps at each); the report also keeps every round.
+Greedy outputs of every engine are checked equal to plain's, token for token.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams, runs: int
 
 
 def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, rounds: int,
-                 concurrency: int | None = None) -> dict[str, float]:
+                 concurrency: int | None = None, each_round: dict[str, list[float]] | None = None
+                 ) -> dict[str, float]:
     """Output tok/s of each engine over `batch`, at most `concurrency` sequences at a time (default all of them):
-    the median of `rounds` rounds, each running every engine once in turn. Greedy outputs must equal the first
-    engine's, token for token."""
+    the median of `rounds` rounds, each running every engine once in turn (`each_round`, when given, gets every
+    round's figure per engine). Greedy outputs must equal the first engine's, token for token."""
     concurrency = concurrency or len(batch)
     seconds: dict[str, list[float]] = {name: [] for name in llms}
     reference, first = None, next(iter(llms))
@@ -93,7 +95,10 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, roun
             reference = reference or tokens
             if tokens != reference:
                 raise SystemExit(f"c={concurrency}: {name}'s greedy output differs from {first}'s")
-    return {name: len(batch) * params.max_tokens / statistics.median(s) for name, s in seconds.items()}
+    tokens = len(batch) * params.max_tokens
+    if each_round is not None:
+        each_round.update({name: [tokens / t for t in s] for name, s in seconds.items()})
+    return {name: tokens / statistics.median(s) for name, s in seconds.items()}
 
 
 def run_args(doc: str, warmup_runs: int) -> argparse.ArgumentParser:
@@ -134,22 +139,28 @@ def main() -> None:
         batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]
         warm_up(llms, batch, params, args.warmup_runs, c)
         widths.clear()
-        tok_s = timed_rounds(llms, batch, params, args.rounds, c)
+        each_round: dict[str, list[float]] = {}
+        tok_s = timed_rounds(llms, batch, params, args.rounds, c, each_round)
         fixed = {name: v for name, v in tok_s.items() if name.startswith("fixed-")}
         best = max(fixed, key=fixed.get)
+        # a round runs every engine once, back to back: the ratio within each round shows how far the medians' ratio
+        # is from the spread of the machine (the best fixed width is the largest of several near-equal figures)
+        per_round = [a / b for a, b in zip(each_round["adaptive"], each_round[best])]
         spec_best = max(tok_s["adaptive"], fixed[best])
         steps = sum(widths.values())
         shares = {w: round(n / steps, 3) for w, n in sorted(widths.items())} if steps else {}
         report["results"][c] = {"tok_s": {k: round(v, 1) for k, v in tok_s.items()}, "best_fixed": best,
                                 "adaptive_over_best_fixed": round(tok_s["adaptive"] / fixed[best], 3),
+                                "adaptive_over_best_fixed_each_round": [round(r, 3) for r in per_round],
+                                "tok_s_each_round": {k: [round(v, 1) for v in vs] for k, vs in each_round.items()},
                                 "adaptive_over_plain": round(tok_s["adaptive"] / tok_s["plain"], 3),
                                 "best_speculative_over_plain": round(spec_best / tok_s["plain"], 3),
                                 "adaptive_width_shares": shares}
         cells = "  ".join(f"{k} {v:.0f}" for k, v in tok_s.items())
         print(f"c={c}: tok/s {cells}")
-        print(f"      adaptive / best fixed ({best}) {tok_s['adaptive'] / fixed[best]:.3f}, adaptive / plain "
-              f"{tok_s['adaptive'] / tok_s['plain']:.3f}; adaptive widths (share of decode steps) {shares}",
-              flush=True)
+        print(f"      adaptive / best fixed ({best}) {tok_s['adaptive'] / fixed[best]:.3f} (each round: "
+              f"{' '.join(f'{r:.3f}' for r in per_round)}), adaptive / plain {tok_s['adaptive'] / tok_s['plain']:.3f}; "
+              f"adaptive widths (share of decode steps) {shares}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -10,10 +10,11 @@ as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the 
     (1 + q_1 + ... + q_w) / time(w)
 
 time(w) is the median of width w's recent steps (each scaled to the bucket's size: time x bucket / sequences) where
-it has `min_samples` of them (a median: one step slowed by another process does not move it), else read off the
-least-squares line through the medians of every width from 1 up timed so far: a step's time grows about linearly
-with the width (w more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32
-sequences), so the widths probed inform the ones not run lately. Width 0 is off that line (no draft work at all:
+it has `min_samples` of them (a median: one step slowed by another process does not move it; the first steps after
+the engine stood idle, slow while the caches fill again, are not timed), else read off the least-squares line
+through the medians of every width from 1 up timed so far: a step's time grows about linearly with the width (w
+more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32 sequences), so the
+widths probed inform the ones not run lately. Width 0 is off that line (no draft work at all:
 with the compiled step at one sequence 3.1 ms against 8.5, 8.1 and 8.4 at widths 1 to 3), so it is always its own
 median, tried until it has `min_samples` steps.
 
@@ -73,6 +74,13 @@ CONTEXT_SAMPLES = 32  # recent timings of the draft's context work kept, with an
 # of its verify rows) instead of the target's weights; at one sequence on the bundled models that step took 4.0-4.6
 # ms and the next ones 3.5-3.9, as a run of width 0 does
 SETTLE_STEPS = 2
+# after the engine stood idle (IDLE_SECONDS or more from one step's end to the next one's start: other work ran, or no
+# request came), the caches hold what ran meanwhile and its first steps are slow: at one sequence on the bundled
+# models, after five other engines had each decoded three prompts, the first timed steps at width 3 took 5.2, 4.7, 4.7
+# and 4.5 ms against a median of 4.3 after them (the next round at width 2: 4.1, 4.3, 3.8 against 3.6). Their times
+# would go into the current width's median alone (a window of 16 steps) and make it lose to its neighbours
+IDLE_SECONDS = 0.05
+COLD_STEPS = 3  # the timed steps after an idle spell whose times are not taken (their acceptance is)
 
 
 def bucket_of(batch_size: int) -> int:
@@ -124,6 +132,7 @@ class AdaptiveWidth:
     prompt_rows: float = 0.0  # decayed sums: prompt rows scheduled, and tokens committed by decoding sequences
     committed: float = 0.0
     per_row: float | None = None  # context_seconds_per_row, until the next context timing (read on every step)
+    cold_steps: int = 0  # timed steps still to come whose times are not taken (after_idle)
 
     def __post_init__(self) -> None:
         if self.max_width < 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 or self.probe_every < 2 \
@@ -243,6 +252,11 @@ class AdaptiveWidth:
         bucket.backoff = min(factor * bucket.backoff, most) if far else 1
         bucket.probed = None
 
+    def after_idle(self) -> None:
+        """The engine stood idle for IDLE_SECONDS or more before this step: the times of the next COLD_STEPS steps
+        that would be timed are not taken."""
+        self.cold_steps = COLD_STEPS
+
     def observe_context(self, batch_size: int, rows: int, seconds: float) -> None:
         """The draft's context work in a step of `batch_size` sequences ran over `rows` positions in `seconds`."""
         decode_rows = batch_size * (1 + self.max_width)  # the most a step without prompt rows gives the draft
@@ -322,11 +336,14 @@ class AdaptiveWidth:
         bucket = self._bucket(batch_size)
         if width == 0 and bucket.last == 0 and bucket.streak <= SETTLE_STEPS:
             return  # a run of width 0 as width() chose it: its first steps are not what a run of them costs
-        # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
-        # fewer ran must not look cheaper for it
-        samples = bucket.samples[width]
-        samples.append(seconds * bucket_of(batch_size) / batch_size)
-        bucket.medians[width] = statistics.median(samples)
+        if self.cold_steps:
+            self.cold_steps -= 1
+        else:
+            # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed
+            # while fewer ran must not look cheaper for it
+            samples = bucket.samples[width]
+            samples.append(seconds * bucket_of(batch_size) / batch_size)
+            bucket.medians[width] = statistics.median(samples)
         for k in range(1, width + 1):  # no sequence verified more drafts than the step's width
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
             if tried:

@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from eyas.config import SpeculativeConfig
-from eyas.engine.adaptive_width import AdaptiveWidth
+from eyas.engine.adaptive_width import IDLE_SECONDS, AdaptiveWidth
 from eyas.engine.batch import ScheduledBatch, VerifyLayout
 from eyas.engine.grammar import apply_bitmask
 from eyas.engine.sequence import Sequence
@@ -82,6 +82,7 @@ class Proposer:
         self.max_model_len = max_model_len
         self.device = device
         self.adaptive = AdaptiveWidth(config.num_speculative_tokens) if config.adaptive_width else None
+        self.last_step_end: float | None = None  # when the last step the adaptive width saw ended (perf_counter)
         # the draft's cache (one entry per position), addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=dtype, device=device)
 
@@ -106,7 +107,13 @@ class Proposer:
         width it also proposed at (each computed its committed token and its drafts; a step with prompt chunks costs
         what its prompts cost, one that changes width pays for two, and one that caught up after a pause for what
         the pause left)."""
-        if self.adaptive is None or self.config.width_override(batch.num_running) is not None:
+        if self.adaptive is None:
+            return
+        end = time.perf_counter()  # the step ended as it was timed
+        if self.last_step_end is not None and end - seconds - self.last_step_end >= IDLE_SECONDS:
+            self.adaptive.after_idle()
+        self.last_step_end = end
+        if self.config.width_override(batch.num_running) is not None:
             return
         # what drafting costs outside the decode steps: the draft's work on prompt positions (adaptive_width.py)
         if proposal.context is not None:
