@@ -3,6 +3,7 @@ plain and speculative (EAGLE-3 drafts and the MTP layer compiled too), each kern
 kernels kept on disk and loaded back, and no tensor frozen into a kernel that every layer shares."""
 
 import argparse
+import zipfile
 
 import pytest
 import torch
@@ -284,3 +285,26 @@ def test_the_moe_runs_every_expert_as_two_linears_only_where_a_token_chooses_a_l
         if packs:
             torch.testing.assert_close(moe._all_linear(x, expert_ids, weights),
                                        moe._few_tokens(x, expert_ids, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_a_kernel_compiled_at_one_thread_count_is_not_run_at_another():
+    """The compiler writes the thread count into the kernel's code (at one thread, no parallel region at all):
+    kernels for 1 and 2 threads are kept apart, and each one parallelises as its count says."""
+    scale = torch.nn.Linear(1, 4096, bias=False)
+    before = torch.get_num_threads()
+    packages = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            kernel = compile_kernel("t", [scale], lambda h: torch.relu(h * scale.weight[:, 0]),
+                                    (torch.zeros(2, 4096),), (1, 64))
+            h = torch.randn(3, 4096)
+            assert torch.equal(kernel(kernel.weights([scale]), h)[0], torch.relu(h * scale.weight[:, 0]))
+            packages[threads] = set(compiled_step.cache_dir().glob("t-*.pt2")) - set().union(*packages.values())
+    finally:
+        torch.set_num_threads(before)
+    assert all(len(found) == 1 for found in packages.values()), packages
+    for threads, (package,) in packages.items():
+        with zipfile.ZipFile(package) as archive:
+            source = "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".cpp"))
+        assert ("#pragma omp parallel" in source) == (threads == 2), threads

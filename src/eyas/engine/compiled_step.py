@@ -12,9 +12,9 @@ prompt chunks, which are few and long, except in bfloat16 (below).
     last       the last layer after its attention, the final norm  (h, out) -> (normed h, h)
 
 A kernel takes the weights it reads as inputs, so every layer of a kind runs the same compiled code. Each is
-compiled for any row count from 1 to MAX_ROWS, once per model shape, dtype and torch version, and kept on disk
-(`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than MAX_ROWS rows run
-eager.
+compiled for any row count from 1 to MAX_ROWS, once per model shape, dtype, torch version and thread count, and
+kept on disk (`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than
+MAX_ROWS rows run eager.
 
 In bfloat16 each layer has one kernel of its own with its weights frozen in as constants (`frozen`): the compiler's
 GEMM templates then pack them once for the CPU's bfloat16 instructions (AMX, AVX512-BF16), where weights passed as
@@ -189,8 +189,11 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
                          "(a dynamic kernel is traced at 2 rows or more)")
     dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
     dynamic = [None] * len(tensors) + [{0: dim} if dim is not None else None for _ in args]
+    # the compiler writes the thread count torch runs on into the code (at one thread, no parallel region at all): a
+    # kernel compiled for one thread would run on one whatever --threads a later engine is given
     key = json.dumps({
         "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows, "settings": settings,
+        "threads": torch.get_num_threads(),
         "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in module_tensors(modules)],
         "frozen": _weights_digest(modules) if freeze else None,
         "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
