@@ -56,7 +56,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), compiled_step=not args.enforce_eager,
-              dtype="float32")
+              dtype="float32", threads=args.threads)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     vocab = llm.model.config.vocab_size
     print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "

@@ -75,9 +75,10 @@ def main() -> None:
           "  same tokens")
     for batch in args.batch_sizes:
         # at most `batch` sequences at a time; with --prompts every prompt runs (batch 1: one after another)
-        plain = LLM(args.model, max_num_seqs=batch, compiled_step=not args.enforce_eager, dtype=args.dtype)
+        plain = LLM(args.model, max_num_seqs=batch, compiled_step=not args.enforce_eager, dtype=args.dtype,
+                    threads=args.threads)
         spec = LLM(args.model, max_num_seqs=batch, speculative_config=config, compiled_step=not args.enforce_eager,
-                   dtype=args.dtype)
+                   dtype=args.dtype, threads=args.threads)
         batch_prompts = prompts if args.prompts else [prompts[i % len(prompts)] for i in range(batch)]
         timed(plain, batch_prompts, SamplingParams(temperature=0, max_tokens=8))  # warm-up
         timed(spec, batch_prompts, SamplingParams(temperature=0, max_tokens=8))
