@@ -10,8 +10,10 @@ as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the 
     (1 + q_1 + ... + q_w) / time(w)
 
 time(w) is the median of width w's recent steps (each scaled to the bucket's size: time x bucket / sequences) where
-it has `min_samples` of them (a median: one step slowed by another process does not move it; the first steps after
-the engine stood idle, slow while the caches fill again, are not timed), else read off the least-squares line
+it has `min_samples` of them: of the last `window` while w is the bucket's width, of the last `min_samples` while it
+is only probed, one step every few dozen, so that a time from long ago does not speak for it (a median: one step
+slowed by another process does not move it; the first steps after the engine stood idle, slow while the caches fill
+again, are not timed), else read off the least-squares line
 through the medians of every width from 1 up timed so far: a step's time grows about linearly with the width (w
 more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32 sequences), so the
 widths probed inform the ones not run lately. Width 0 is off that line (no draft work at all:
@@ -341,9 +343,8 @@ class AdaptiveWidth:
         else:
             # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed
             # while fewer ran must not look cheaper for it
-            samples = bucket.samples[width]
-            samples.append(seconds * bucket_of(batch_size) / batch_size)
-            bucket.medians[width] = statistics.median(samples)
+            bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
+            self._update_median(bucket, width)
         for k in range(1, width + 1):  # no sequence verified more drafts than the step's width
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
             if tried:
@@ -357,4 +358,22 @@ class AdaptiveWidth:
         scores = self._scores(batch_size, bucket)
         best = max(range(self.max_width + 1), key=lambda w: scores[w])
         if scores[best] > scores[bucket.width] * (1 + self.margin):
-            bucket.width = best
+            before, bucket.width = bucket.width, best
+            # the new width's window starts from the steps its median was read from (the older ones said nothing
+            # since), so its median stays what won it the choice, and fills with its own steps from here
+            samples = bucket.samples[best]
+            kept = list(samples)[-self.min_samples:]
+            samples.clear()
+            samples.extend(kept)
+            self._update_median(bucket, before)
+            self._update_median(bucket, best)
+
+    def _update_median(self, bucket: _Bucket, width: int) -> None:
+        """The median a width's time is read from: of its whole window while it is the bucket's width (its steps
+        come one after another), else of its last `min_samples` steps (its probes, one every few dozen steps: a
+        window of them spans thousands of steps, and a time taken while the machine or the batch was slower stayed
+        in it: at 16 sequences under load width 1 kept a median of 18.1 ms from before, where its steps took 15.0)."""
+        samples = bucket.samples[width]
+        if samples:
+            recent = samples if width == bucket.width else list(samples)[-self.min_samples:]
+            bucket.medians[width] = statistics.median(recent)
