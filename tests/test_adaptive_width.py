@@ -458,3 +458,26 @@ def test_the_engine_tells_the_policy_when_it_stood_idle():
     time.sleep(2 * IDLE_SECONDS)
     llm.generate(["for i in range("], params)
     assert first_call > 1 and idle and idle[0] == first_call + 1 and policy.cold_steps < COLD_STEPS
+
+
+def test_a_probed_width_is_read_from_its_recent_steps_only():
+    """One sequence probes each neighbour every 2 x probe_every / 4 steps: a whole window of its probes is recent and
+    counts. Sixteen probe each every 2 x probe_every: only the steps of the last STALE_CALLS calls count (at least
+    min_samples), so once the probed width runs faster, its few recent probes say so while most of its window is the
+    slow steps from before."""
+    from eyas.engine.adaptive_width import STALE_CALLS
+
+    slow = {**TIMES, 3: TIMES[3] * 1.5}  # width 3 behind width 2 (the current width) in either case
+    policy = AdaptiveWidth(max_width=3)
+    run(policy, 40 * policy.probe_every, batch=1, times=slow)
+    bucket = policy.buckets[1]
+    assert bucket.width == 2 and len(bucket.samples[3]) == policy.window
+    assert all(bucket.calls - c <= STALE_CALLS for c in bucket.taken_at[3])
+
+    policy = AdaptiveWidth(max_width=3)
+    run(policy, 40 * policy.probe_every, batch=16, times=slow)
+    bucket = policy.buckets[16]
+    assert bucket.width == 2 and bucket.medians[3] == pytest.approx(slow[3])
+    run(policy, STALE_CALLS, batch=16, times=TIMES)  # width 3 faster from here on, still behind width 2
+    new = list(bucket.samples[3]).count(TIMES[3])
+    assert 0 < new < policy.window // 2 and bucket.medians[3] == pytest.approx(TIMES[3]), list(bucket.samples[3])

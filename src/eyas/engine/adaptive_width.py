@@ -10,15 +10,14 @@ as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the 
     (1 + q_1 + ... + q_w) / time(w)
 
 time(w) is the median of width w's recent steps (each scaled to the bucket's size: time x bucket / sequences) where
-it has `min_samples` of them: of the last `window` while w is the bucket's width, of the last `min_samples` while it
-is only probed, one step every few dozen, so that a time from long ago does not speak for it (a median: one step
-slowed by another process does not move it; the first steps after the engine stood idle, slow while the caches fill
-again, are not timed), else read off the least-squares line
-through the medians of every width from 1 up timed so far: a step's time grows about linearly with the width (w
-more verify rows per sequence, w draft forwards; measured on the bundled target at 4, 16 and 32 sequences), so the
-widths probed inform the ones not run lately. Width 0 is off that line (no draft work at all:
-with the compiled step at one sequence 3.1 ms against 8.5, 8.1 and 8.4 at widths 1 to 3), so it is always its own
-median, tried until it has `min_samples` steps.
+it has `min_samples` of them: of the last `window` while w is the bucket's width, of those of the last STALE_CALLS
+steps (at least `min_samples`) while it is only probed, so that a time from long ago does not speak for it (a
+median: one step slowed by another process does not move it; the first steps after the engine stood idle, slow
+while the caches fill again, are not timed), else read off the least-squares line through the medians of every
+width from 1 up timed so far: a step's time grows about linearly with the width (w more verify rows per sequence, w
+draft forwards; measured on the bundled target at 4, 16 and 32 sequences), so the widths probed inform the ones not
+run lately. Width 0 is off that line (no draft work at all: with the compiled step at one sequence 3.1 ms against
+8.5, 8.1 and 8.4 at widths 1 to 3), so it is always its own median, tried until it has `min_samples` steps.
 
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
@@ -83,6 +82,12 @@ SETTLE_STEPS = 2
 # would go into the current width's median alone (a window of 16 steps) and make it lose to its neighbours
 IDLE_SECONDS = 0.05
 COLD_STEPS = 3  # the timed steps after an idle spell whose times are not taken (their acceptance is)
+# a width only probed is read from its steps of the last STALE_CALLS choices of its bucket (at least min_samples of
+# them): below 8 sequences, a probe every probe_every / 4 steps, that is its whole window; from 8 on, a probe every
+# probe_every, 4 of them. A window of probes there spans thousands of steps, and times taken while the machine or
+# the batch was slower stay in it: at 16 sequences under load, width 1 kept a median of 18.1 ms from before where its
+# steps took 15.0, and lost to width 2 (19.2 ms) for good
+STALE_CALLS = 512
 
 
 def bucket_of(batch_size: int) -> int:
@@ -93,6 +98,7 @@ def bucket_of(batch_size: int) -> int:
 @dataclass(slots=True)
 class _Bucket:
     samples: list[deque[float]]  # the last `window` step times (seconds) at each width 0..max
+    taken_at: list[deque[int]]  # the call (see `calls`) at which each of those steps was chosen
     medians: list[float | None]  # the median of each width's samples (None: none yet), kept as they arrive
     accepted_rate: list[float | None]  # EMA of q_k for k = 1..max (index k - 1)
     trials: list[int]  # sequences that drafted k or more so far, per k
@@ -146,7 +152,8 @@ class AdaptiveWidth:
         key = bucket_of(batch_size)
         if key not in self.buckets:
             n = self.max_width + 1
-            self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(n)], [None] * n,
+            self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(n)],
+                                        [deque(maxlen=self.window) for _ in range(n)], [None] * n,
                                         [None] * self.max_width, [0] * self.max_width, [0] * n, self.max_width, None)
         return self.buckets[key]
 
@@ -344,6 +351,7 @@ class AdaptiveWidth:
             # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed
             # while fewer ran must not look cheaper for it
             bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
+            bucket.taken_at[width].append(bucket.calls)
             self._update_median(bucket, width)
         for k in range(1, width + 1):  # no sequence verified more drafts than the step's width
             tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
@@ -361,19 +369,24 @@ class AdaptiveWidth:
             before, bucket.width = bucket.width, best
             # the new width's window starts from the steps its median was read from (the older ones said nothing
             # since), so its median stays what won it the choice, and fills with its own steps from here
-            samples = bucket.samples[best]
-            kept = list(samples)[-self.min_samples:]
-            samples.clear()
-            samples.extend(kept)
+            kept = self._recent(bucket, best)
+            for steps in (bucket.samples[best], bucket.taken_at[best]):
+                latest = list(steps)[-kept:]
+                steps.clear()
+                steps.extend(latest)
             self._update_median(bucket, before)
             self._update_median(bucket, best)
 
     def _update_median(self, bucket: _Bucket, width: int) -> None:
         """The median a width's time is read from: of its whole window while it is the bucket's width (its steps
-        come one after another), else of its last `min_samples` steps (its probes, one every few dozen steps: a
-        window of them spans thousands of steps, and a time taken while the machine or the batch was slower stayed
-        in it: at 16 sequences under load width 1 kept a median of 18.1 ms from before, where its steps took 15.0)."""
+        come one after another), else of its recent steps only (STALE_CALLS)."""
         samples = bucket.samples[width]
         if samples:
-            recent = samples if width == bucket.width else list(samples)[-self.min_samples:]
-            bucket.medians[width] = statistics.median(recent)
+            recent = len(samples) if width == bucket.width else self._recent(bucket, width)
+            bucket.medians[width] = statistics.median(list(samples)[-recent:])
+
+    def _recent(self, bucket: _Bucket, width: int) -> int:
+        """How many of a width's latest steps its time is read from while it is only probed: those chosen in the
+        last STALE_CALLS calls, and at least `min_samples`."""
+        fresh = sum(bucket.calls - call <= STALE_CALLS for call in bucket.taken_at[width])
+        return min(len(bucket.samples[width]), max(fresh, self.min_samples))
