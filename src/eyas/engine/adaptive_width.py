@@ -83,10 +83,10 @@ SETTLE_STEPS = 2
 IDLE_SECONDS = 0.05
 COLD_STEPS = 3  # the timed steps after an idle spell whose times are not taken (their acceptance is)
 # a width only probed is read from its steps of the last STALE_CALLS choices of its bucket (at least min_samples of
-# them): below 8 sequences, a probe every probe_every / 4 steps, that is its whole window; from 8 on, a probe every
-# probe_every, 4 of them. A window of probes there spans thousands of steps, and times taken while the machine or
-# the batch was slower stay in it: at 16 sequences under load, width 1 kept a median of 18.1 ms from before where its
-# steps took 15.0, and lost to width 2 (19.2 ms) for good
+# them): at one or two sequences, a probe every probe_every / 4 steps (each neighbour in turn), that is its whole
+# window; at four, half of it; from 8 on, a probe every probe_every, 4 of them. A window of probes there spans
+# thousands of steps, and times taken while the machine or the batch was slower stay in it: at 16 sequences under
+# load, width 1 kept a median of 18.1 ms from before where its steps took 15.0, and lost to width 2 (19.2 ms) for good
 STALE_CALLS = 512
 
 
