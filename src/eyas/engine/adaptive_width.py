@@ -371,9 +371,8 @@ class AdaptiveWidth:
             # since), so its median stays what won it the choice, and fills with its own steps from here
             kept = self._recent(bucket, best)
             for steps in (bucket.samples[best], bucket.taken_at[best]):
-                latest = list(steps)[-kept:]
-                steps.clear()
-                steps.extend(latest)
+                while len(steps) > kept:
+                    steps.popleft()
             self._update_median(bucket, before)
             self._update_median(bucket, best)
 
