@@ -4,13 +4,13 @@ run on a warm engine (as a server runs: its width policy has seen traffic before
     python benchmarks/width_policy.py                                  # bundled target + MLA draft, c = 1 4 16 32
     python benchmarks/width_policy.py --concurrency 16 32 --rounds 5 --out report.json
 
-Per concurrency c: c x --requests-per-slot prompts of --prompts run with at most c at a time, a new one taking
-each finished one's place as on a server (greedy, --new-tokens each, ignore_eos), through a plain engine, an engine
-verifying a fixed width w for every w in 0..K, and the adaptive one. (Exactly c requests started together end in a
-tail of a few sequences that accepted least, whose steps run at a small batch: there a width that drafts less loses
-least, and the tail weighs on the run as it seldom does on a server.) Each engine is warmed at
-that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so a slow
-spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
+Per concurrency c: c x --requests-per-slot prompts of --prompts (at least --min-requests) run with at most c at a
+time, a new one taking each finished one's place as on a server (greedy, --new-tokens each, ignore_eos), through a
+plain engine, an engine verifying a fixed width w for every w in 0..K, and the adaptive one. (Exactly c requests
+started together end in a tail of a few sequences that accepted least, whose steps run at a small batch: there a
+width that drafts less loses least, and the tail weighs on the run as it seldom does on a server.) Each engine is
+warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so
+a slow spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
 output tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each
 round: how far apart two engines run in one round shows what the medians' ratio is worth) and speculative / plain,
 and the widths the adaptive policy chose (share of decode steps at each); the report also keeps every round.
@@ -127,6 +127,9 @@ def main() -> None:
                     help="every engine op by op (default: the compiled step, as every eyas command runs on CPU)")
     ap.add_argument("--requests-per-slot", type=int, default=3,
                     help="requests per concurrency slot: c x this many run, at most c at a time (default 3)")
+    ap.add_argument("--min-requests", type=int, default=16,
+                    help="at least this many requests a round, whatever c (default 16: at c=1, 3 requests made a "
+                         "round of half a second, and one slow spell moved a round's ratio by 18%%)")
     args = ap.parse_args()
 
     prompts = read_prompt_file(args.prompts)
@@ -134,9 +137,10 @@ def main() -> None:
     widths = count_widths(llms["adaptive"])
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     report = {"model": str(args.model), "draft_model": str(args.draft_model), "new_tokens": args.new_tokens,
-              "requests_per_slot": args.requests_per_slot, "rounds": args.rounds, "results": {}}
+              "requests_per_slot": args.requests_per_slot, "min_requests": args.min_requests, "rounds": args.rounds,
+              "results": {}}
     for c in args.concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(c * args.requests_per_slot)]
+        batch = [prompts[i % len(prompts)] for i in range(max(c * args.requests_per_slot, args.min_requests))]
         warm_up(llms, batch, params, args.warmup_runs, c)
         widths.clear()
         each_round: dict[str, list[float]] = {}
