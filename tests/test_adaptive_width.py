@@ -1,5 +1,5 @@
 """The adaptive verify width: untimed widths tried widest first, then the width with the most tokens per second
-kept (with a margin against flapping), a neighbour probed for two steps every probe_every, step times as medians
+kept (with a margin against flapping), a neighbour probed for three steps every probe_every, step times as medians
 and a line through them, buckets by powers of two."""
 
 import pytest
@@ -27,12 +27,12 @@ def test_buckets_are_powers_of_two():
 
 def test_every_width_is_timed_widest_first_then_the_best_is_kept():
     policy = AdaptiveWidth(max_width=3)
-    widths = run(policy, 15)
-    # width 0 until it has min_samples timed steps of its own (it is never read off the line through the others);
-    # the first SETTLE_STEPS of a run of it are not timed
-    assert widths[:9] == [3, 2, 1] + [0] * 6
+    widths = run(policy, 21)
+    # the first SETTLE_STEPS of a run of any width are not timed; width 0 runs until it has min_samples timed steps
+    # of its own (it is never read off the line through the others)
+    assert widths[:15] == [3] * 3 + [2] * 3 + [1] * 3 + [0] * 6
     # tokens/s per sequence: w0 1/10, w1 1.8/14 = 0.129, w2 2.4/17 = 0.141, w3 2.6/21 = 0.124
-    assert widths[9:] == [2] * 6
+    assert widths[15:] == [2] * 6
     # per sequence, with the step time scaled to the bucket's size (5 sequences time bucket 8)
     assert policy.tokens_per_second(5, 2) == pytest.approx(2.4 / (0.017 * 8 / 5))
 
@@ -40,10 +40,10 @@ def test_every_width_is_timed_widest_first_then_the_best_is_kept():
 def test_neighbours_are_probed_in_turn_and_a_better_one_taken_only_past_the_margin():
     policy = AdaptiveWidth(max_width=3, probe_every=10)
     widths = run(policy, 50, times=CLOSE)
-    # two steps in every ten (the first proposes the probe's drafts, the second is timed): the wider neighbour,
-    # then the narrower
-    assert [(i, w) for i, w in enumerate(widths) if w != 2 and i >= 9] == [
-        (17, 3), (18, 3), (27, 1), (28, 1), (37, 3), (38, 3), (47, 1), (48, 1)]
+    # three steps in every ten (the first proposes the probe's drafts, the second settles, the third is timed): the
+    # wider neighbour, then the narrower
+    assert [(i, w) for i, w in enumerate(widths) if w != 2 and i >= 15] == [
+        (17, 3), (18, 3), (19, 3), (27, 1), (28, 1), (29, 1), (37, 3), (38, 3), (39, 3), (47, 1), (48, 1), (49, 1)]
     # width 3 becomes 2% better than width 2 (measured on the probes): not enough past a 5% margin, enough past 1%
     for margin, expected in ((0.05, 2), (0.01, 3)):
         policy = AdaptiveWidth(max_width=3, margin=margin, probe_every=5)
@@ -84,9 +84,9 @@ def test_widths_not_run_lately_are_read_off_a_line_through_the_others():
 
 def test_buckets_choose_separately():
     policy = AdaptiveWidth(max_width=3)
-    run(policy, 10, batch=1)
+    run(policy, 16, batch=1)
     slow = {0: 0.010, 1: 0.030, 2: 0.050, 3: 0.070}  # a compute-bound batch: drafting never pays
-    assert run(policy, 10, batch=16, times=slow)[-1] == 0
+    assert run(policy, 16, batch=16, times=slow)[-1] == 0
     assert policy.width(1) == 2 and policy.width(12) == 0  # 12 falls in bucket 16
 
 
@@ -140,17 +140,40 @@ def test_fixed_width_verifies_k_every_step_and_leaves_the_policy_as_it_was():
     assert adaptive.num_drafted == 0 and adaptive.token_ids == fixed[0].token_ids
 
 
-def test_an_unlucky_first_trial_does_not_park_a_position():
-    """At batch 1 each trial is a coin flip: q_k is the plain mean until 1 / alpha_per_trial trials, so a first
-    rejection followed by acceptances reads as their mean, not as an EMA stuck near the first 0."""
-    policy = AdaptiveWidth(max_width=3)
-    policy.observe(1, 3, 0.02, [(3, 2)])  # position 3 rejected on its first trial
+def test_acceptance_is_the_rate_of_the_last_calls_whatever_the_batch():
+    """q_k is accepted over tried, each trial faded by 1 / acceptance_memory a call of the bucket since it came: at
+    batch 1 a first unlucky trial reads as the mean with the next ones, not as an EMA stuck near 0; at 16 sequences
+    one step of rejections moves q_1 2.4%, not 28%; and a position not verified for a while (the bucket at width
+    0) keeps its rate with little weight, so a probe's two trials re-measure it."""
+    policy = AdaptiveWidth(max_width=3, acceptance_memory=64)
+
+    def step(batch, accepted):
+        policy.width(batch)  # a call of the bucket: the trials before it fade
+        policy.observe(batch, 3, 0.02, [(3, accepted)] * batch)
+
+    step(1, 2)  # position 3 rejected on its first trial
     for _ in range(9):
-        policy.observe(1, 3, 0.02, [(3, 3)])
-    assert policy.buckets[1].accepted_rate == pytest.approx([1.0, 1.0, 0.9])
+        step(1, 3)
+    fade = 1 - 1 / 64
+    later = sum(fade ** i for i in range(9))
+    assert policy.buckets[1].accepted_rate == pytest.approx([1.0, 1.0, later / (later + fade ** 9)])
     for _ in range(200):
-        policy.observe(1, 3, 0.02, [(3, 0)])  # then an EMA: the old trials fade
+        step(1, 0)  # the old trials fade
     assert policy.buckets[1].accepted_rate[0] < 0.05
+
+    for _ in range(64):
+        step(16, 3)
+    step(16, 0)
+    assert 0.97 < policy.buckets[16].accepted_rate[0] < 0.98  # 16 trials against 64 calls' 650 (faded)
+
+    parked = policy.buckets[1]
+    for _ in range(4 * 64):
+        policy.width(1)  # no position verified
+    policy.observe(1, 1, 0.02, [(1, 1)])  # a probe's two trials, both accepted
+    policy.width(1)
+    policy.observe(1, 1, 0.02, [(1, 1)])
+    # from under 0.05 to 0.65 (an EMA of weight 0.02 a trial: 0.09); position 2, not verified, keeps its rate
+    assert parked.accepted_rate[0] > 0.6 and parked.accepted_rate[1] < 0.05
 
 
 def test_each_position_is_judged_over_the_steps_that_verified_it():
@@ -218,7 +241,7 @@ def test_a_step_with_prompt_rows_does_not_try_a_width():
     assert [policy.width(8, catching_up=True) for _ in range(5)] == [0] * 5
     assert policy.buckets[8].tries == [0, 0, 0, 0]
     widths = run(policy, 20, batch=8)
-    assert widths[:9] == [3, 2, 1] + [0] * 6 and policy.buckets[8].width == 2
+    assert widths[:15] == [3] * 3 + [2] * 3 + [1] * 3 + [0] * 6 and policy.buckets[8].width == 2
     assert policy.width(4, catching_up=True) == 2  # bucket 4, untimed, borrows bucket 8's width
 
 
@@ -240,10 +263,10 @@ def test_small_batches_probe_more_often():
     probe_every / 4 steps, bucket 4 every probe_every / 2, bucket 8 and up every probe_every."""
     for batch, every in ((1, 16), (4, 32), (8, 64), (32, 64)):
         policy = AdaptiveWidth(max_width=3)
-        widths = run(policy, 10 + 4 * every, batch=batch, times=CLOSE)
+        widths = run(policy, 16 + 4 * every, batch=batch, times=CLOSE)
         width = policy.buckets[bucket_of(batch)].width
-        probes = [i for i in range(10, len(widths)) if widths[i] != width]
-        assert len(probes) == 8 and probes[2] - probes[0] == every, (batch, probes)
+        probes = [i for i in range(16, len(widths)) if widths[i] != width]
+        assert len(probes) == 12 and probes[3] - probes[0] == every, (batch, probes)
 
 
 def test_probes_back_off_while_the_neighbour_is_far_behind():
@@ -269,17 +292,18 @@ def test_probes_away_from_width_0_back_off_4x_and_come_back_once_close():
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 25.7 ms, 0.7x width 0's rate
     policy = AdaptiveWidth(max_width=3, probe_every=64)
     most = 4 * MAX_BACKOFF
-    widths = run(policy, 8 + 16 * (1 + 4 + 16 + most + most), batch=1, times=slow)
-    starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+    widths = run(policy, 16 + 16 * (1 + 4 + 16 + most + most), batch=1, times=slow)
+    starts = [i for i in range(16, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[:2] == [64, 256] and all(g == 16 * most for g in gaps[2:]) and len(gaps) >= 3, starts
     close = {**slow, 1: 0.0165}  # 1.8 / 16.5 ms: now ahead of width 0 by 9%, past the margin
-    widths = run(policy, 16 * most + 16 * 3, batch=1, times=close)
+    widths = run(policy, 16 * most + 16 * 4, batch=1, times=close)
     starts = [i for i in range(1, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     assert starts[1] - starts[0] == 16, starts  # the first probe saw it close
-    # ... and at the second, its last min_samples steps all new (each probe's two steps timed here), it is taken,
-    # though 12 of its window's 16 steps are still the slow ones: only the latest steps of a probed width count
-    assert widths[starts[1] + 2:starts[1] + 32] == [1] * 30 and policy.buckets[1].width == 1, widths[starts[1]:]
+    # ... and at the third, 3 of its last min_samples steps new (each probe's last step timed), it is taken, though
+    # 13 of its window's 16 steps are still the slow ones: only the latest steps of a probed width count
+    assert starts[2] - starts[1] == 16 and widths[starts[2]:starts[2] + 16] == [1] * 16, widths[starts[1]:]
+    assert policy.buckets[1].width == 1
 
 
 def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths():
@@ -312,8 +336,8 @@ def test_probes_away_from_width_0_back_off_on_any_loss():
 
     near = {0: 0.010, 1: 0.0189, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 18.9 ms, 0.95x width 0's rate
     policy = AdaptiveWidth(max_width=3, probe_every=64)
-    widths = run(policy, 8 + 16 * (1 + 4 + 16 + 4 * MAX_BACKOFF), batch=1, times=near)
-    starts = [i for i in range(8, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+    widths = run(policy, 16 + 16 * (1 + 4 + 16 + 4 * MAX_BACKOFF), batch=1, times=near)
+    starts = [i for i in range(16, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     assert [b - a for a, b in zip(starts, starts[1:])] == [64, 256, 512], starts
 
 
@@ -322,12 +346,12 @@ def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width(
     later), not the widest first. While bucket 4 is still trying widths, a new bucket 8 tries all of them."""
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
     policy = AdaptiveWidth(max_width=3, probe_every=1000)
-    run(policy, 12, batch=4, times=slow)
+    run(policy, 18, batch=4, times=slow)
     assert policy.buckets[4].width == 0
     assert run(policy, 8, batch=8, times=slow) == [0] * 8
     fresh = AdaptiveWidth(max_width=3, probe_every=1000)
-    run(fresh, 2, batch=4, times=slow)  # widths 3 and 2 tried so far
-    assert run(fresh, 3, batch=8, times=slow) == [3, 2, 1]
+    run(fresh, 6, batch=4, times=slow)  # widths 3 and 2 tried so far
+    assert run(fresh, 9, batch=8, times=slow) == [3] * 3 + [2] * 3 + [1] * 3
 
 
 def test_a_bucket_beside_one_that_drafts_nothing_tries_width_0_only_then_probes_up():
@@ -337,14 +361,14 @@ def test_a_bucket_beside_one_that_drafts_nothing_tries_width_0_only_then_probes_
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
     policy = AdaptiveWidth(max_width=3, probe_every=64)
     assert policy.width(4, catching_up=True) == 0  # bucket 4 exists, its widths not set yet
-    run(policy, 12, batch=16, times=slow)
+    run(policy, 18, batch=16, times=slow)
     assert policy.buckets[16].width == 0
     assert run(policy, 8, batch=4, times=slow) == [0] * 8
     # at one sequence drafting is worth it: a bucket 1 that starts at width 0 probes its way up to width 2
     widths = run(policy, 400, batch=1)
     assert widths[:4] == [0] * 4 and policy.buckets[1].width == 2
     # with no bucket timed a new bucket tries every width, widest first
-    assert run(AdaptiveWidth(max_width=3), 3, batch=4, times=slow) == [3, 2, 1]
+    assert run(AdaptiveWidth(max_width=3), 9, batch=4, times=slow) == [3] * 3 + [2] * 3 + [1] * 3
 
 
 def test_a_bucket_still_trying_widths_lends_none():
@@ -355,8 +379,8 @@ def test_a_bucket_still_trying_widths_lends_none():
 
     slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}
     policy = AdaptiveWidth(max_width=3, probe_every=64)
-    assert policy.width(2) == 3
-    policy.observe(2, 3, 0.008, [(3, 1), (3, 0)])
+    assert [policy.width(2) for _ in range(3)] == [3] * 3
+    policy.observe(2, 3, 0.008, [(3, 1), (3, 0)])  # the third step of its run: timed
     assert [policy.width(2) for _ in range(2 * MAX_TRIES + 2)] == [2] * MAX_TRIES + [1] * MAX_TRIES + [0, 0]
     run(policy, 12, batch=4, times=slow)
     assert policy.buckets[4].width == 0 and policy.buckets[2].medians[3] is not None
@@ -411,6 +435,26 @@ def test_the_first_steps_of_a_run_at_width_0_are_not_timed():
     assert policy.buckets[2].width == 0 and widths[-8:] == [0] * 8
 
 
+def test_a_probe_is_timed_on_its_third_step():
+    """A probe's second step (the first that verifies its own width) runs while the caches still hold what the
+    width before it read: at 16 sequences on the bundled models 15.0 ms at width 1 after width 0 and 14.4 after
+    width 2, against 13.7-14.1 for the steps after. Here width 2 holds the bucket while width 1 is slow; then a run of
+    width 1 becomes 3.7% ahead of width 2 (1.625 tokens in 13.9 ms against 2.06 in 18.3), its second step 8% behind
+    (15.0 ms): probes timed on that step would never take it, probes timed on their third do."""
+    accepted = [2] * 7 + [1] * 3 + [0] * 6  # q_1 = 10/16, q_2 = 7/16
+    policy = AdaptiveWidth(max_width=2)
+    widths = []
+    for step in range(1200):
+        w = policy.width(16)
+        run_length = next((k for k, x in enumerate(reversed(widths)) if x != w), len(widths)) + 1
+        if widths and w == widths[-1]:  # the engine times a step that verified the width it proposes
+            seconds = {0: 0.0125, 2: 0.0183}.get(w, 0.017 if step < 200 else 0.015 if run_length == 2 else 0.0139)
+            policy.observe(16, w, seconds, [(w, min(a, w)) for a in accepted])
+        widths.append(w)
+    assert widths[100:200].count(2) > 90  # width 2 while width 1 was slow
+    assert policy.buckets[16].width == 1 and widths[-40:] == [1] * 40
+
+
 def test_the_steps_after_the_engine_stood_idle_are_not_timed():
     """After an idle spell the caches hold what ran meanwhile and the first steps run slow (5.2, 4.7, 4.7 ms against
     4.3 after them on the bundled models, once other engines had run): their times would go into the current width's
@@ -461,19 +505,19 @@ def test_the_engine_tells_the_policy_when_it_stood_idle():
 
 
 def test_a_probed_width_is_read_from_its_recent_steps_only():
-    """One sequence probes each neighbour every 2 x probe_every / 4 steps: a whole window of its probes is recent and
-    counts. Sixteen probe each every 2 x probe_every: only the steps of the last STALE_CALLS calls count (at least
-    min_samples), so once the probed width runs faster, its few recent probes say so while most of its window is the
-    slow steps from before."""
+    """One sequence probes each neighbour every 2 x probe_every / 4 steps (while neither is far behind): a whole
+    window of its probes is recent and counts. Sixteen probe each every 2 x probe_every: only the steps of the last
+    STALE_CALLS calls count (at least min_samples), so once the probed width runs faster, its few recent probes say
+    so while most of its window is the slow steps from before."""
     from eyas.engine.adaptive_width import STALE_CALLS
 
-    slow = {**TIMES, 3: TIMES[3] * 1.5}  # width 3 behind width 2 (the current width) in either case
     policy = AdaptiveWidth(max_width=3)
-    run(policy, 40 * policy.probe_every, batch=1, times=slow)
+    run(policy, 40 * policy.probe_every, batch=1, times=CLOSE)  # both neighbours close: no backoff
     bucket = policy.buckets[1]
     assert bucket.width == 2 and len(bucket.samples[3]) == policy.window
     assert all(bucket.calls - c <= STALE_CALLS for c in bucket.taken_at[3])
 
+    slow = {**TIMES, 3: TIMES[3] * 1.5}  # width 3 behind width 2 (the current width) before and after
     policy = AdaptiveWidth(max_width=3)
     run(policy, 40 * policy.probe_every, batch=16, times=slow)
     bucket = policy.buckets[16]

@@ -2,10 +2,14 @@
 
 Per power-of-two bucket of running sequences: the step times at each width w (w = 0: no drafts verified, no draft
 work), the last `window` of each, and per draft position k the rate q_k at which the first k drafts are all accepted
-(an EMA, weight `alpha_per_trial` on each sequence that drafted k or more, so a step of 16 sequences moves q_k as much
-as 16 steps of one: at batch 1 each trial is a coin flip; the plain mean of the trials so far until there are
-1 / alpha_per_trial of them, so a first unlucky trial cannot park a position at 0). A step at width w yields
-1 + q_1 + ... + q_w tokens per sequence, so the width with the most tokens per second maximises
+(accepted over tried, among the sequences that drafted k or more, each trial weighted by how many calls of the
+bucket ago it came: it fades by 1 / `acceptance_memory` a call. So the rate is of the last few dozen steps whatever
+the batch: at one sequence each trial is a coin flip and a prompt that accepts little must not speak for the next
+for long; at 16 the last step's sequences alone would move it 28% if each trial faded instead. And a position not
+verified for a while, as while the bucket drafts nothing, keeps its rate with less and less weight, so the few
+trials of a probe re-measure it: one that faded per trial kept a dip of q_1 from 0.6 to 0.31 over one prompt at one
+sequence for 536 steps at width 0, the probes' trials moving it to 0.36). A step at width w yields 1 + q_1 + ... +
+q_w tokens per sequence, so the width with the most tokens per second maximises
 
     (1 + q_1 + ... + q_w) / time(w)
 
@@ -31,10 +35,10 @@ every sequence's pause (random prompts at 16 sequences on the bundled models: 11
 with the draft's layer eager, five decode steps of 16 sequences), which a bucket the batch only passes through, as
 it drains, pays and seldom times. Such a bucket also waits as long before its first probe as that one had come to
 wait (below). A new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
-(down to a quarter of that below 8 sequences) a neighbour of the current width runs for two steps (the first
-proposes its drafts, the second verifies them and is timed; width 0 for three, see SETTLE_STEPS: a run of width 0 is
-timed from its third step), the wider and the narrower in turn, so the line and the acceptance of the next position
-stay fresh at the cost of two steps' difference, not of a run at the widest width. A probe that finds its width more
+(down to a quarter of that below 8 sequences) a neighbour of the current width runs for three steps (the first
+proposes its drafts, the second verifies them, the third is timed: a run of any width is timed from its third step,
+see SETTLE_STEPS), the wider and the narrower in turn, so the line and the acceptance of the next position stay
+fresh at the cost of three steps' difference, not of a run at the widest width. A probe that finds its width more
 than BACKOFF_LOSS behind the current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away
 from width 0 costs more: it also runs the draft over every position every sequence computed since the last (its
 context must have no hole), at one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at
@@ -70,11 +74,14 @@ BACKOFF_LOSS = 0.1  # a probed width this far behind the current one (tokens per
 MAX_BACKOFF = 8  # probes at most this many times rarer than probe_every
 CONTEXT_MEMORY = 256  # steps over which prompt rows per committed token are counted (decayed sums)
 CONTEXT_SAMPLES = 32  # recent timings of the draft's context work kept, with and without prompt rows each
-# the first steps of a run at width 0, whose times are not taken: the one that verifies the drafts proposed before it,
-# and the first with no draft at all, whose caches still hold what drafting read (the draft's weights, the experts
-# of its verify rows) instead of the target's weights; at one sequence on the bundled models that step took 4.0-4.6
-# ms and the next ones 3.5-3.9, as a run of width 0 does
+# the first steps of a run of a width, whose times are not taken: the one that verifies the drafts proposed before
+# it, and the first that verifies its own, whose caches still hold what the width before read (the draft's weights,
+# the experts of more or fewer verify rows). At one sequence on the bundled models the first step at width 0 after
+# drafting took 4.0-4.6 ms and the next ones 3.5-3.9; at 16 sequences the second step of a run at width 1 took 15.0
+# ms after width 0 and 14.4 after width 2, the third 14.1 after either, the later ones 13.7-14.1. A probe timed on
+# its second step read width 1 up to 9% slow, where widths 0, 1 and 2 were within a few % of each other
 SETTLE_STEPS = 2
+PROBE_STEPS = SETTLE_STEPS + 1  # a probe's steps, the last of them timed
 # after the engine stood idle (IDLE_SECONDS or more from one step's end to the next one's start: other work ran, or no
 # request came), the caches hold what ran meanwhile and its first steps are slow: at one sequence on the bundled
 # models, after five other engines had each decoded three prompts, the first timed steps at width 3 took 5.2, 4.7, 4.7
@@ -100,10 +107,13 @@ class _Bucket:
     samples: list[deque[float]]  # the last `window` step times (seconds) at each width 0..max
     taken_at: list[deque[int]]  # the call (see `calls`) at which each of those steps was chosen
     medians: list[float | None]  # the median of each width's samples (None: none yet), kept as they arrive
-    accepted_rate: list[float | None]  # EMA of q_k for k = 1..max (index k - 1)
+    accepted_rate: list[float | None]  # q_k for k = 1..max (index k - 1): accepted_weight / tried_weight
     trials: list[int]  # sequences that drafted k or more so far, per k
-    tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the step
-    # before chose the same width and no sequence was cut short, so tries are bounded, not repeated until one counts)
+    accepted_weight: list[float]  # per k: the trials accepted, and all the trials, each faded by its age in calls
+    tried_weight: list[float]
+    tries: list[int]  # steps each width was chosen while it had no timed step (a try is timed only when the
+    # SETTLE_STEPS before chose the same width and no sequence was cut short, so tries are bounded, not repeated
+    # until one counts)
     width: int
     widest: int | None  # the widest width tried while untimed (None: not set yet, see AdaptiveWidth._set_widest)
     calls: int = 0  # widths chosen so far
@@ -113,6 +123,7 @@ class _Bucket:
     backoff: int = 1  # the wait between probes, in probe periods
     last: int = -1  # the width chosen by the last call
     streak: int = 0  # calls in a row, the last included, that chose it
+    faded_at: int = 0  # the call at which the acceptance weights were last faded
 
 
 def _tokens_per_step(bucket: _Bucket) -> list[float]:
@@ -127,7 +138,7 @@ def _tokens_per_step(bucket: _Bucket) -> list[float]:
 @dataclass
 class AdaptiveWidth:
     max_width: int
-    alpha_per_trial: float = 0.02
+    acceptance_memory: int = 64
     margin: float = 0.02
     probe_every: int = 64
     window: int = 16
@@ -143,9 +154,9 @@ class AdaptiveWidth:
     cold_steps: int = 0  # timed steps still to come whose times are not taken (after_idle)
 
     def __post_init__(self) -> None:
-        if self.max_width < 1 or not 0 < self.alpha_per_trial <= 1 or self.margin < 0 or self.probe_every < 2 \
+        if self.max_width < 1 or self.acceptance_memory < 1 or self.margin < 0 or self.probe_every < 2 \
                 or self.window < 1 or not 1 <= self.min_samples <= self.window:
-            raise ValueError("AdaptiveWidth needs max_width >= 1, alpha_per_trial in (0, 1], margin >= 0, "
+            raise ValueError("AdaptiveWidth needs max_width >= 1, acceptance_memory >= 1, margin >= 0, "
                              "probe_every >= 2, window >= 1 and min_samples in 1..window")
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -154,7 +165,8 @@ class AdaptiveWidth:
             n = self.max_width + 1
             self.buckets[key] = _Bucket([deque(maxlen=self.window) for _ in range(n)],
                                         [deque(maxlen=self.window) for _ in range(n)], [None] * n,
-                                        [None] * self.max_width, [0] * self.max_width, [0] * n, self.max_width, None)
+                                        [None] * self.max_width, [0] * self.max_width, [0.0] * self.max_width,
+                                        [0.0] * self.max_width, [0] * n, self.max_width, None)
         return self.buckets[key]
 
     def _set_widest(self, key: int, bucket: _Bucket) -> None:
@@ -203,11 +215,11 @@ class AdaptiveWidth:
         if untimed is not None or (bucket.medians[bucket.width] is None
                                    and sum(m is not None for m in bucket.medians) < 2):
             return self._borrowed(batch_size)
-        # a probe is two steps: the first proposes the probe's drafts, the second verifies them and is timed. Small
+        # a probe is three steps: the first proposes the probe's drafts, the last is timed (SETTLE_STEPS). Small
         # batches probe up to 4x as often: a probe of one sequence is one trial of the next position's acceptance
         # (a coin flip), and one step at a neighbouring width costs them little
         every = min(self.probe_every, max(self.probe_every // 4, self.probe_every * bucket_of(batch_size) // 8))
-        if bucket.probed is not None and bucket.calls >= bucket.next_probe + self._probe_steps(bucket.probed):
+        if bucket.probed is not None and bucket.calls >= bucket.next_probe + PROBE_STEPS:
             self._back_off(batch_size, bucket)  # the last probe's outcome is in
             bucket.next_probe += every * bucket.backoff
         if bucket.next_probe == 0:
@@ -216,9 +228,8 @@ class AdaptiveWidth:
         wider = bucket.probes % 2 == 0
         width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
             else bucket.width - 1
-        steps = self._probe_steps(width)
-        if bucket.next_probe <= bucket.calls < bucket.next_probe + steps:
-            if bucket.calls == bucket.next_probe + steps - 1:
+        if bucket.next_probe <= bucket.calls < bucket.next_probe + PROBE_STEPS:
+            if bucket.calls == bucket.next_probe + PROBE_STEPS - 1:
                 bucket.probes += 1
                 bucket.probed = width
             return width
@@ -238,12 +249,6 @@ class AdaptiveWidth:
         if not settled:
             return 0
         return self.buckets[min(settled, key=lambda k: (abs(k.bit_length() - key), -k))].width
-
-    @staticmethod
-    def _probe_steps(width: int) -> int:
-        """Steps a probe of `width` runs, the last of them timed: the first proposes its drafts; a probe of width 0
-        runs its SETTLE_STEPS first."""
-        return SETTLE_STEPS + 1 if width == 0 else 2
 
     def _back_off(self, batch_size: int, bucket: _Bucket) -> None:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
@@ -343,24 +348,19 @@ class AdaptiveWidth:
         """One decode step of a batch of `batch_size` sequences at `width` took `seconds`; per sequence, how many
         drafts it verified and how many of them were accepted."""
         bucket = self._bucket(batch_size)
-        if width == 0 and bucket.last == 0 and bucket.streak <= SETTLE_STEPS:
-            return  # a run of width 0 as width() chose it: its first steps are not what a run of them costs
-        if self.cold_steps:
+        settling = bucket.last == width and bucket.streak <= SETTLE_STEPS  # a run's first steps
+        if settling and width == 0:
+            return  # and no acceptance to count
+        if self.cold_steps and not settling:
             self.cold_steps -= 1
-        else:
+        elif not settling:
             # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed
             # while fewer ran must not look cheaper for it
             bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
             bucket.taken_at[width].append(bucket.calls)
             self._update_median(bucket, width)
-        for k in range(1, width + 1):  # no sequence verified more drafts than the step's width
-            tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k]
-            if tried:
-                rate = sum(tried) / len(tried)
-                old = bucket.accepted_rate[k - 1]
-                bucket.trials[k - 1] += len(tried)
-                weight = max(1 - (1 - self.alpha_per_trial) ** len(tried), len(tried) / bucket.trials[k - 1])
-                bucket.accepted_rate[k - 1] = rate if old is None else old + weight * (rate - old)
+        if width:
+            self._count_acceptance(bucket, width, drafted_and_accepted)
         if sum(m is not None for m in bucket.medians) < 2:
             return
         scores = self._scores(batch_size, bucket)
@@ -375,6 +375,19 @@ class AdaptiveWidth:
                     steps.popleft()
             self._update_median(bucket, before)
             self._update_median(bucket, best)
+
+    def _count_acceptance(self, bucket: _Bucket, width: int, drafted_and_accepted: list[tuple[int, int]]) -> None:
+        """Per position k: the trials of this step counted, every older one faded by the calls since."""
+        fade = (1 - 1 / self.acceptance_memory) ** (bucket.calls - bucket.faded_at)
+        bucket.faded_at = bucket.calls
+        for k in range(1, self.max_width + 1):
+            # no sequence verified more drafts than the step's width: positions past it only fade
+            tried = [accepted >= k for drafted, accepted in drafted_and_accepted if drafted >= k] if k <= width else []
+            bucket.accepted_weight[k - 1] = bucket.accepted_weight[k - 1] * fade + sum(tried)
+            bucket.tried_weight[k - 1] = bucket.tried_weight[k - 1] * fade + len(tried)
+            bucket.trials[k - 1] += len(tried)
+            if tried:
+                bucket.accepted_rate[k - 1] = bucket.accepted_weight[k - 1] / bucket.tried_weight[k - 1]
 
     def _update_median(self, bucket: _Bucket, width: int) -> None:
         """The median a width's time is read from: of its whole window while it is the bucket's width (its steps
