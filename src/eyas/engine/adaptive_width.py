@@ -351,14 +351,11 @@ class AdaptiveWidth:
         settling = bucket.last == width and bucket.streak <= SETTLE_STEPS  # a run's first steps
         if settling and width == 0:
             return  # and no acceptance to count
-        if self.cold_steps and not settling:
-            self.cold_steps -= 1
-        elif not settling:
-            # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed
-            # while fewer ran must not look cheaper for it
-            bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
-            bucket.taken_at[width].append(bucket.calls)
-            self._update_median(bucket, width)
+        if not settling:
+            if self.cold_steps:
+                self.cold_steps -= 1
+            else:
+                self._take_time(batch_size, bucket, width, seconds)
         if width:
             self._count_acceptance(bucket, width, drafted_and_accepted)
         if sum(m is not None for m in bucket.medians) < 2:
@@ -375,6 +372,13 @@ class AdaptiveWidth:
                     steps.popleft()
             self._update_median(bucket, before)
             self._update_median(bucket, best)
+
+    def _take_time(self, batch_size: int, bucket: _Bucket, width: int, seconds: float) -> None:
+        # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
+        # fewer ran must not look cheaper for it
+        bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
+        bucket.taken_at[width].append(bucket.calls)
+        self._update_median(bucket, width)
 
     def _count_acceptance(self, bucket: _Bucket, width: int, drafted_and_accepted: list[tuple[int, int]]) -> None:
         """Per position k: the trials of this step counted, every older one faded by the calls since."""
