@@ -348,14 +348,13 @@ class AdaptiveWidth:
         """One decode step of a batch of `batch_size` sequences at `width` took `seconds`; per sequence, how many
         drafts it verified and how many of them were accepted."""
         bucket = self._bucket(batch_size)
-        settling = bucket.last == width and bucket.streak <= SETTLE_STEPS  # a run's first steps
-        if settling and width == 0:
-            return  # and no acceptance to count
-        if not settling:
-            if self.cold_steps:
-                self.cold_steps -= 1
-            else:
-                self._take_time(batch_size, bucket, width, seconds)
+        if bucket.last == width and bucket.streak <= SETTLE_STEPS:  # a run's first steps: not timed
+            if width == 0:
+                return  # and no acceptance to count
+        elif self.cold_steps:
+            self.cold_steps -= 1
+        else:
+            self._take_time(batch_size, bucket, width, seconds)
         if width:
             self._count_acceptance(bucket, width, drafted_and_accepted)
         if sum(m is not None for m in bucket.medians) < 2:
