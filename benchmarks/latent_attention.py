@@ -11,8 +11,10 @@
    over the same latents kept in bfloat16 (as a bfloat16 model keeps them): on AMX tiles where the CPU has them,
    beside the vector path over the same latents. --heads 128 --batch 1: a DeepSeek-V3 layer's query rows.
 2. The bundled target, compiled step, plain greedy decoding of 96 tokens on 3c eval prompts at most c at a time, the
-   attention through the kernel and through SDPA (the kernel switched off in the same process), interleaved rounds;
-   output tok/s and their ratio. Tokens must be equal.
+   attention through the kernel (as eyas runs it: every short query row in one call, padded to the longest context,
+   which the kernel does not read past a row's own), through the kernel with each far longer context attended alone
+   (as SDPA needs: `AttentionMetadata.build` without `free_padding`), and through SDPA (the kernel switched off in
+   the same process), interleaved rounds; output tok/s and the ratios to the kernel's. Tokens must be equal.
 """
 
 from __future__ import annotations
@@ -74,31 +76,37 @@ def one_call(batch: int, context: int, positions: int, heads: int, layers: int, 
     return out
 
 
-def decode_runs(concurrency: list[int], rounds: int) -> None:
+def decode_runs(concurrency: list[int], rounds: int, dtype: str) -> None:
     prompts = read_prompt_file(DEFAULT_EVAL_PROMPTS)
-    llm = LLM(DEFAULT_MODEL, max_num_seqs=max(concurrency), threads=1, compiled_step=True, dtype="float32")
+    llm = LLM(DEFAULT_MODEL, max_num_seqs=max(concurrency), threads=1, compiled_step=True, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    takes = latent_kernel.takes
-    print(f"{'c':>3} {'kernel tok/s':>13} {'SDPA tok/s':>11} {'kernel / SDPA':>14}")
+    takes, free_padding = latent_kernel.takes, llm.runner.free_padding
+    # (the kernel runs, padding is free): the kernel, the kernel with long contexts alone, SDPA
+    configs = {"kernel": (True, free_padding), "kernel, long alone": (True, False), "sdpa": (False, False)}
+    print(f"{'c':>3} {'kernel tok/s':>13} {'long alone tok/s':>17} {'SDPA tok/s':>11} {'kernel / long alone':>20} "
+          f"{'kernel / SDPA':>14}")
     for c in concurrency:
         llm.scheduler.max_num_seqs = c
         batch = [prompts[i % len(prompts)] for i in range(3 * c)]
-        seconds: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+        seconds: dict[str, list[float]] = {name: [] for name in configs}
         tokens = {}
         for r in range(rounds + 1):  # the first round warms up
-            for name in seconds:
-                latent_kernel.takes = takes if name == "kernel" else (lambda *args: False)
+            for name, (kernel, free) in configs.items():
+                latent_kernel.takes = takes if kernel else (lambda *args: False)
+                llm.runner.free_padding = free
                 start = time.perf_counter()
                 outs = llm.generate(batch, params, use_tqdm=False)
                 if r:
                     seconds[name].append(time.perf_counter() - start)
                 tokens[name] = [o.token_ids for o in outs]
-        latent_kernel.takes = takes
-        if tokens["kernel"] != tokens["sdpa"]:
-            raise SystemExit(f"c={c}: the kernel's greedy tokens differ from SDPA's")
+        latent_kernel.takes, llm.runner.free_padding = takes, free_padding
+        for name in configs:
+            if tokens[name] != tokens["kernel"]:
+                raise SystemExit(f"c={c}: the greedy tokens of '{name}' differ from the kernel's")
         tok_s = {name: len(batch) * 96 / statistics.median(s) for name, s in seconds.items()}
-        print(f"{c:>3} {tok_s['kernel']:>13.1f} {tok_s['sdpa']:>11.1f} {tok_s['kernel'] / tok_s['sdpa']:>13.2f}x",
-              flush=True)
+        kernel = tok_s["kernel"]
+        print(f"{c:>3} {kernel:>13.1f} {tok_s['kernel, long alone']:>17.1f} {tok_s['sdpa']:>11.1f} "
+              f"{kernel / tok_s['kernel, long alone']:>19.2f}x {kernel / tok_s['sdpa']:>13.2f}x", flush=True)
 
 
 def main() -> None:
@@ -112,6 +120,8 @@ def main() -> None:
                     help="decode runs at these concurrencies (default 1 16 32; none: the calls only)")
     ap.add_argument("--rounds", type=int, default=3, help="timed decode rounds per engine (default 3)")
     ap.add_argument("--skip-calls", action="store_true", help="only the decode runs")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                    help="the decode runs' dtype (default float32; auto: as eyas runs, bfloat16 on CPUs with AMX)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not args.skip_calls:
@@ -128,7 +138,7 @@ def main() -> None:
                          f"{t['bfloat16 vector'] / t['bfloat16']:.2f}x the vector path)")
             print(line, flush=True)
     if args.concurrency:
-        decode_runs(args.concurrency, args.rounds)
+        decode_runs(args.concurrency, args.rounds, args.dtype)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,43 @@ def test_a_long_context_beside_short_ones_attends_alone(model):
     assert _long_contexts([0, 1, 2, 3], [300, 290, 10, 10]) == {0, 1}
 
 
+def test_with_free_padding_a_long_context_in_its_lane_stays_in_the_batch():
+    """Where the attention reads only the positions each row sees (the latent kernel: `free_padding`), a long
+    context read in place from its lane is padded beside the short ones, not attended alone; one past its lane
+    (gathered, so its padding would be copied) still is. The attention is the same either way."""
+    from eyas.models import latent_kernel
+    from eyas.models.attention import paged_latent_attention
+
+    block_size = 4
+    alloc = BlockAllocator(num_blocks=256, block_size=block_size, num_lanes=6)  # lanes of 42 blocks, 4 spare
+    lanes = (alloc.num_lanes, alloc.lane_blocks)
+    tables = [[] for _ in range(5)]
+    seq_lens = [150, 9, 9, 9, 9]
+    for table, n in zip(tables, seq_lens):
+        alloc.grow(table, n)
+    q_lens = [1] * 5
+
+    def groups(attn: AttentionMetadata) -> list[int]:
+        return sorted(len(g.rows) for g in attn.groups)
+
+    split = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, lanes=lanes)
+    padded = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, lanes=lanes, free_padding=True)
+    assert groups(split) == [1, 4] and groups(padded) == [5]
+    assert all(g.kv_view is not None for g in padded.groups)
+    torch.manual_seed(4)
+    latent = torch.randn(alloc.num_blocks * block_size, 24)
+    q = torch.randn(5, 3, 24)
+    out_split, out_padded = (paged_latent_attention(q, latent, attn, 16, 0.3) for attn in (split, padded))
+    if latent_kernel.reads(latent):  # each row computed alike whatever rows share its call
+        assert torch.equal(out_split, out_padded)
+    torch.testing.assert_close(out_split, out_padded, rtol=1e-5, atol=1e-5)
+    # grown past its lane (gathered): attended alone with free padding too
+    alloc.grow(tables[0], 180)
+    seq_lens[0] = 180
+    past = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, lanes=lanes, free_padding=True)
+    assert groups(past) == [1, 4]
+
+
 def test_paged_mha_attention_with_groups():
     """The Llama-style paged attention against plain causal SDPA per sequence, with a long chunk between short rows
     and grouped kv heads."""

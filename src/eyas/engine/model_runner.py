@@ -58,6 +58,8 @@ class ModelRunner:
             else self.dtype
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
+        # the kernel reads only the positions a row sees: no sequence is attended alone for its length (build)
+        self.free_padding = latent_kernel.reads(self.cache[0])
         if self.device.type == "cpu":  # the logits' kernel (float32 and bfloat16 heads)
             rows_matmul.load()
         self.verifier = Verifier(model, speculative_config, think_token_ids)
@@ -110,7 +112,8 @@ class ModelRunner:
             input_ids.extend(tokens[seq.num_computed:seq.num_computed + n])
             seq_lens.append(seq.num_computed + n)
         attn = AttentionMetadata.build(batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs],
-                                       self.block_size, self.device, lanes=self.lanes)
+                                       self.block_size, self.device, lanes=self.lanes,
+                                       free_padding=self.free_padding)
         input_ids = torch.tensor(input_ids, device=self.device)
         if self.compiled is not None and self.compiled.runs(attn):
             return self.compiled.forward(input_ids, attn, self.cache, aux_hidden_state_ids)

@@ -30,6 +30,7 @@ from eyas.engine.adaptive_width import IDLE_SECONDS, AdaptiveWidth
 from eyas.engine.batch import ScheduledBatch, VerifyLayout
 from eyas.engine.grammar import apply_bitmask
 from eyas.engine.sequence import Sequence
+from eyas.models import latent_kernel
 from eyas.models.attention import AttentionMetadata
 
 # positions whose target states a sequence keeps while drafting is off, at most; then step 0 runs them (the draft
@@ -85,6 +86,8 @@ class Proposer:
         self.last_step_end: float | None = None  # when the last step the adaptive width saw ended (perf_counter)
         # the draft's cache (one entry per position), addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=dtype, device=device)
+        # an MLA draft's latents read by the latent kernel, which reads only the positions a row sees (build)
+        self.free_padding = len(draft.cache_entry_shape()) == 1 and latent_kernel.reads(self.draft_cache)
 
     def width(self, batch: ScheduledBatch) -> int:
         """Drafts to propose in this step for the next: a configured override for this batch size, else the
@@ -148,7 +151,7 @@ class Proposer:
         caught_up = any(s.pending_draft_inputs for s in seqs)
         start = self._clock()
         attn = AttentionMetadata.build(lens, num_computed, [s.block_table for s in seqs], self.block_size,
-                                       self.device, lanes=self.lanes)
+                                       self.device, lanes=self.lanes, free_padding=self.free_padding)
         prenorm = self.draft(self._fused(torch.cat(inputs) if len(inputs) > 1 else inputs[0]),
                              torch.tensor(next_tokens, device=self.device), attn, self.draft_cache)
         context = (len(next_tokens), self._clock() - start)
@@ -169,7 +172,7 @@ class Proposer:
             positions = [positions[j] + 1 for j in keep]
             attn = AttentionMetadata.build([1] * len(active), [p + 1 for p in positions],
                                            [seqs[i].block_table for i in active], self.block_size, self.device,
-                                           lanes=self.lanes)
+                                           lanes=self.lanes, free_padding=self.free_padding)
             hidden_k = self.draft(hidden_k[keep], tokens_k[keep], attn, self.draft_cache)
             tokens_k = self._next_drafts(hidden_k, active, seqs, drafts, budgets)
         self._rollback_grammars(seqs, grammar_steps, drafts)
