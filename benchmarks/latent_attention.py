@@ -14,7 +14,8 @@
    attention through the kernel (as eyas runs it: every short query row in one call, padded to the longest context,
    which the kernel does not read past a row's own), through the kernel with each far longer context attended alone
    (as SDPA needs: `AttentionMetadata.build` without `free_padding`), and through SDPA (the kernel switched off in
-   the same process), interleaved rounds; output tok/s and the ratios to the kernel's. Tokens must be equal.
+   the same process), interleaved rounds; output tok/s and the ratios to the kernel's. Tokens must be equal (SDPA's
+   in float32 only: in bfloat16 it rounds a row by the rows beside it).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def decode_runs(concurrency: list[int], rounds: int, dtype: str) -> None:
                     seconds[name].append(time.perf_counter() - start)
                 tokens[name] = [o.token_ids for o in outs]
         latent_kernel.takes, llm.runner.free_padding = takes, free_padding
-        for name in configs:
+        # the same calls with more padding must give the same tokens; SDPA too in float32 (in bfloat16 it rounds a
+        # row by the rows beside it)
+        for name in configs if llm.runner.dtype == torch.float32 else ["kernel, long alone"]:
             if tokens[name] != tokens["kernel"]:
                 raise SystemExit(f"c={c}: the greedy tokens of '{name}' differ from the kernel's")
         tok_s = {name: len(batch) * 96 / statistics.median(s) for name, s in seconds.items()}
