@@ -5,7 +5,8 @@ run on a warm engine (as a server runs: its width policy has seen traffic before
     python benchmarks/width_policy.py --concurrency 16 32 --rounds 5 --out report.json
 
 Per concurrency c: c x --requests-per-slot prompts of --prompts (at least --min-requests) run with at most c at a
-time, a new one taking each finished one's place as on a server (greedy, --new-tokens each, ignore_eos), through a
+time, a new one taking each finished one's place as on a server (greedy, --new-tokens each or, with --range-ratio,
+lengths spread around it, ignore_eos), through a
 plain engine, an engine verifying a fixed width w for every w in 0..K, and the adaptive one. (Exactly c requests
 started together end in a tail of a few sequences that accepted least, whose steps run at a small batch: there a
 width that drafts less loses least, and the tail weighs on the run as it seldom does on a server.) Each engine is
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
 import time
 from collections import Counter
@@ -67,20 +70,21 @@ def count_widths(llm: LLM) -> Counter:
     return widths
 
 
-def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams, runs: int, concurrency: int | None = None
-            ) -> None:
+def warm_up(llms: dict[str, LLM], batch: list, params: SamplingParams | list[SamplingParams], runs: int,
+            concurrency: int | None = None) -> None:
     for llm in llms.values():
         llm.scheduler.max_num_seqs = concurrency or len(batch)
         for _ in range(runs):
             llm.generate(batch, params, use_tqdm=False)
 
 
-def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, rounds: int,
+def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams | list[SamplingParams], rounds: int,
                  concurrency: int | None = None, each_round: dict[str, list[float]] | None = None
                  ) -> dict[str, float]:
-    """Output tok/s of each engine over `batch`, at most `concurrency` sequences at a time (default all of them):
-    the median of `rounds` rounds, each running every engine once in turn (`each_round`, when given, gets every
-    round's figure per engine). Greedy outputs must equal the first engine's, token for token."""
+    """Output tok/s of each engine over `batch` (`params` for all, or one per request), at most `concurrency`
+    sequences at a time (default all of them): the median of `rounds` rounds, each running every engine once in
+    turn (`each_round`, when given, gets every round's figure per engine). Greedy outputs must equal the first
+    engine's, token for token."""
     concurrency = concurrency or len(batch)
     seconds: dict[str, list[float]] = {name: [] for name in llms}
     reference, first = None, next(iter(llms))
@@ -95,10 +99,20 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams, roun
             reference = reference or tokens
             if tokens != reference:
                 raise SystemExit(f"c={concurrency}: {name}'s greedy output differs from {first}'s")
-    tokens = len(batch) * params.max_tokens
+    tokens = sum(p.max_tokens for p in params) if isinstance(params, list) else len(batch) * params.max_tokens
     if each_round is not None:
         each_round.update({name: [tokens / t for t in s] for name, s in seconds.items()})
     return {name: tokens / statistics.median(s) for name, s in seconds.items()}
+
+
+def output_lengths(num: int, new_tokens: int, range_ratio: float) -> SamplingParams | list[SamplingParams]:
+    """Greedy params generating `new_tokens` each, or with `range_ratio`, new_tokens x [1 - r, 1 + r] per request
+    (seeded: every engine and round gets the same lengths)."""
+    if not range_ratio:
+        return SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    rng = random.Random(0)
+    low, high = max(1, math.floor(new_tokens * (1 - range_ratio))), math.ceil(new_tokens * (1 + range_ratio))
+    return [SamplingParams(temperature=0, max_tokens=rng.randint(low, high), ignore_eos=True) for _ in range(num)]
 
 
 def run_args(doc: str, warmup_runs: int) -> argparse.ArgumentParser:
@@ -127,6 +141,10 @@ def main() -> None:
                     help="every engine op by op (default: the compiled step, as every eyas command runs on CPU)")
     ap.add_argument("--requests-per-slot", type=int, default=3,
                     help="requests per concurrency slot: c x this many run, at most c at a time (default 3)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="each request generates --new-tokens x [1 - r, 1 + r] tokens (drawn once, seeded; default 0: "
+                         "all alike, so plain decoding runs its requests in lockstep, each wave prefilled together, "
+                         "as drafting, which commits a different number of tokens per sequence, does not)")
     ap.add_argument("--min-requests", type=int, default=16,
                     help="at least this many requests a round, whatever c (default 16: at c=1, 3 requests made a "
                          "round of half a second, and one slow spell moved a round's ratio by 18%%)")
@@ -135,12 +153,15 @@ def main() -> None:
     prompts = read_prompt_file(args.prompts)
     llms = engines(args)
     widths = count_widths(llms["adaptive"])
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    if not 0 <= args.range_ratio < 1:
+        ap.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     report = {"model": str(args.model), "draft_model": str(args.draft_model), "new_tokens": args.new_tokens,
+              "range_ratio": args.range_ratio,
               "requests_per_slot": args.requests_per_slot, "min_requests": args.min_requests, "rounds": args.rounds,
               "results": {}}
     for c in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(c * args.requests_per_slot, args.min_requests))]
+        params = output_lengths(len(batch), args.new_tokens, args.range_ratio)
         warm_up(llms, batch, params, args.warmup_runs, c)
         widths.clear()
         each_round: dict[str, list[float]] = {}
