@@ -258,6 +258,27 @@ def test_steps_of_fewer_sequences_in_a_bucket_are_scaled_to_its_size():
     assert policy.width(32) == 0
 
 
+def test_the_steps_of_a_draining_batch_are_not_timed():
+    """Bucket 16 ran 16 sequences; as they finish, steps of 13 or fewer are not timed (scaled to 16 sequences, a step's
+    part that does not grow with them would read slow), their acceptance still counted; 14 and 15 are. Once the
+    bucket has run fewer for PEAK_CALLS steps, those are timed again."""
+    from eyas.engine.adaptive_width import PEAK_CALLS
+
+    policy = AdaptiveWidth(max_width=1, min_samples=1, probe_every=1000)
+    run(policy, 40, batch=16, accepted=[1] * 16)
+    bucket = policy.buckets[16]
+    trials, width = bucket.trials[0], bucket.width
+    calls = {}
+    for batch in (15, 14, 13, 9):
+        assert policy.width(batch) == width
+        calls[batch] = bucket.calls
+        policy.observe(batch, width, TIMES[width] * batch / 16, [(width, min(width, 1))] * batch)
+    assert [calls[b] in bucket.taken_at[width] for b in (15, 14, 13, 9)] == [True, True, False, False]
+    assert bucket.trials[0] == trials + (15 + 14 + 13 + 9 if width else 0)
+    run(policy, PEAK_CALLS, batch=9, accepted=[1] * 9)
+    assert bucket.calls in bucket.taken_at[bucket.width]
+
+
 def test_small_batches_probe_more_often():
     """A probe of one sequence is one coin flip of the next position's acceptance: bucket 1 probes every
     probe_every / 4 steps, bucket 4 every probe_every / 2, bucket 8 and up every probe_every."""

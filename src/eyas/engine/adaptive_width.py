@@ -95,6 +95,14 @@ COLD_STEPS = 3  # the timed steps after an idle spell whose times are not taken 
 # thousands of steps, and times taken while the machine or the batch was slower stay in it: at 16 sequences under
 # load, width 1 kept a median of 18.1 ms from before where its steps took 15.0, and lost to width 2 (19.2 ms) for good
 STALE_CALLS = 512
+# a step is timed only when its batch is about the largest of its bucket's last PEAK_CALLS steps (within an eighth):
+# a step's time is scaled to the bucket's size (time x bucket / sequences), and a step has a part that does not grow
+# with its sequences (the weights it reads), so a step of fewer sequences scales to a slower one. As a run of
+# requests drains, its last steps run a few sequences each: at 16 sequences on the bundled models (held-out prompts,
+# 48-144 new tokens each) 62 steps of 9-15 sequences after 75-121 of 16, where widths 1 and 2, probed there among
+# others, read 15-20% slower than their steps of 16 (15.1-15.6 ms against 12.8-13.1), and the policy ran widths 2
+# and 3 against the best fixed width 1 (0.93x); timed from full steps only, it ran width 1, 1.01-1.03x width 1 fixed
+PEAK_CALLS = 128
 
 
 def bucket_of(batch_size: int) -> int:
@@ -124,6 +132,7 @@ class _Bucket:
     last: int = -1  # the width chosen by the last call
     streak: int = 0  # calls in a row, the last included, that chose it
     faded_at: int = 0  # the call at which the acceptance weights were last faded
+    sizes: deque[int] = field(default_factory=lambda: deque(maxlen=PEAK_CALLS))  # sequences of its last calls
 
 
 def _tokens_per_step(bucket: _Bucket) -> list[float]:
@@ -205,6 +214,7 @@ class AdaptiveWidth:
 
     def _choose(self, batch_size: int, bucket: _Bucket, catching_up: bool) -> int:
         bucket.calls += 1
+        bucket.sizes.append(batch_size)
         if bucket.widest is None and not catching_up:
             self._set_widest(bucket_of(batch_size), bucket)
         untimed = self._untimed(bucket)
@@ -353,7 +363,7 @@ class AdaptiveWidth:
                 return  # and no acceptance to count
         elif self.cold_steps:
             self.cold_steps -= 1
-        else:
+        elif self._near_peak(batch_size, bucket):
             self._take_time(batch_size, bucket, width, seconds)
         if width:
             self._count_acceptance(bucket, width, drafted_and_accepted)
@@ -371,6 +381,12 @@ class AdaptiveWidth:
                     steps.popleft()
             self._update_median(bucket, before)
             self._update_median(bucket, best)
+
+    @staticmethod
+    def _near_peak(batch_size: int, bucket: _Bucket) -> bool:
+        """Whether a step of `batch_size` sequences is timed: about the most the bucket ran lately (PEAK_CALLS)."""
+        peak = max(bucket.sizes, default=batch_size)
+        return batch_size >= peak - peak // 8
 
     def _take_time(self, batch_size: int, bucket: _Bucket, width: int, seconds: float) -> None:
         # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
