@@ -122,8 +122,9 @@ class AttentionMetadata:
         slot_mapping = slots[seq_of_row, positions]
         short = [b for b, q in enumerate(query_lens) if q <= SHORT_QUERY]
         tails = _long_tails(short, query_lens)
-        padded = [b for b in short if b not in tails and not (free_padding and _in_lane(b, seq_lens, geometry))]
-        alone = tails | _long_contexts(padded, seq_lens)
+        # the short sequences whose padding the attention would read (all of them, unless free_padding)
+        padding_read = [b for b in short if b not in tails and not (free_padding and _in_lane(b, seq_lens, geometry))]
+        alone = tails | _long_contexts(padding_read, seq_lens)
         members = (_split_at_lanes([b for b in short if b not in alone], seq_lens, geometry)
                    + [[b] for b in sorted(alone)] + [[b] for b, q in enumerate(query_lens) if q > SHORT_QUERY])
         starts_list = starts.tolist()
