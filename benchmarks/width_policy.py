@@ -6,10 +6,10 @@ run on a warm engine (as a server runs: its width policy has seen traffic before
 
 Per concurrency c: c x --requests-per-slot prompts of --prompts (at least --min-requests) run with at most c at a
 time, a new one taking each finished one's place as on a server (greedy, --new-tokens each or, with --range-ratio,
-lengths spread around it, ignore_eos), through a
-plain engine, an engine verifying a fixed width w for every w in 0..K, and the adaptive one. (Exactly c requests
-started together end in a tail of a few sequences that accepted least, whose steps run at a small batch: there a
-width that drafts less loses least, and the tail weighs on the run as it seldom does on a server.) Each engine is
+lengths spread around it, ignore_eos), through a plain engine, an engine verifying a fixed width w for every w in
+0..K, and the adaptive one. (Exactly c requests started together end in a tail of a few sequences that accepted
+least, whose steps run at a small batch: there a width that drafts less loses least, and the tail weighs on the run
+as it seldom does on a server.) Each engine is
 warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so
 a slow spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
 output tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each

@@ -58,7 +58,7 @@ class ModelRunner:
             else self.dtype
         self.cache = LatentCache(config.num_hidden_layers, num_blocks, block_size, config.latent_dim, cache_dtype,
                                  self.device)
-        # the kernel reads only the positions a row sees: no sequence is attended alone for its length (build)
+        # the kernel reads only the positions a row sees: a context read in place is padded, not attended alone
         self.free_padding = latent_kernel.reads(self.cache[0])
         if self.device.type == "cpu":  # the logits' kernel (float32 and bfloat16 heads)
             rows_matmul.load()

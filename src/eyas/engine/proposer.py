@@ -86,7 +86,7 @@ class Proposer:
         self.last_step_end: float | None = None  # when the last step the adaptive width saw ended (perf_counter)
         # the draft's cache (one entry per position), addressed through the same block tables as the target's
         self.draft_cache = torch.zeros(num_slots, *draft.cache_entry_shape(), dtype=dtype, device=device)
-        # an MLA draft's latents read by the latent kernel, which reads only the positions a row sees (build)
+        # an MLA draft's latents, read by the latent kernel: a context read in place is padded, not attended alone
         self.free_padding = len(draft.cache_entry_shape()) == 1 and latent_kernel.reads(self.draft_cache)
 
     def width(self, batch: ScheduledBatch) -> int:
