@@ -10,8 +10,9 @@ lengths spread around it, ignore_eos), through a plain engine, an engine verifyi
 0..K, and the adaptive one. (Exactly c requests started together end in a tail of a few sequences that accepted
 least, whose steps run at a small batch: there a width that drafts less loses least, and the tail weighs on the run
 as it seldom does on a server.) Each engine is
-warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn, so
-a slow spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency:
+warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn (each
+round starting one engine further on, so none always runs after the same one), so a slow spell of a shared machine
+hits all alike; a configuration's figure is its median round. Printed per concurrency:
 output tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each
 round: how far apart two engines run in one round shows what the medians' ratio is worth) and speculative / plain,
 and the widths the adaptive policy chose (share of decode steps at each); the report also keeps every round.
@@ -83,20 +84,22 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams | lis
                  ) -> dict[str, float]:
     """Output tok/s of each engine over `batch` (`params` for all, or one per request), at most `concurrency`
     sequences at a time (default all of them): the median of `rounds` rounds, each running every engine once in
-    turn (`each_round`, when given, gets every round's figure per engine). Greedy outputs must equal the first
-    engine's, token for token."""
+    turn, round r starting from the r-th engine so none always runs after the same one (`each_round`, when given,
+    gets every round's figure per engine). Greedy outputs must equal the first run's, token for token."""
     concurrency = concurrency or len(batch)
     seconds: dict[str, list[float]] = {name: [] for name in llms}
-    reference, first = None, next(iter(llms))
+    reference, first = None, None
     for llm in llms.values():
         llm.scheduler.max_num_seqs = concurrency
-    for _ in range(rounds):
-        for name, llm in llms.items():
+    names = list(llms)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            llm = llms[name]
             start = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
             seconds[name].append(time.perf_counter() - start)
             tokens = [o.token_ids for o in outs]
-            reference = reference or tokens
+            reference, first = (reference, first) if reference else (tokens, name)
             if tokens != reference:
                 raise SystemExit(f"c={concurrency}: {name}'s greedy output differs from {first}'s")
     tokens = sum(p.max_tokens for p in params) if isinstance(params, list) else len(batch) * params.max_tokens
