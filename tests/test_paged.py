@@ -19,6 +19,17 @@ def model(tmp_path_factory):
     return load_model(path)
 
 
+@pytest.fixture
+def kernel_on_float32(monkeypatch):
+    """The latent kernel reading float32 latents, as it does where the CPU has AVX-512 (`latent_kernel.reads`), so its
+    paths are checked on every CPU."""
+    from eyas.models import latent_kernel
+
+    library = latent_kernel._library()
+    if library is not None:
+        monkeypatch.setattr(library, "wide", True)
+
+
 def full_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids]))[0]
@@ -476,7 +487,8 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
             kernel_threads.append((args[8], threading.get_ident()))
             return run(*args)
 
-    monkeypatch.setattr(latent_kernel, "_library", lambda: type("L", (), {"latent_attention_run": Counted()})())
+    fake = type("L", (), {"latent_attention_run": Counted(), "wide": True})()  # wide: float32 latents too
+    monkeypatch.setattr(latent_kernel, "_library", lambda: fake)
     assert torch.get_num_threads() == 1
     outs = []
     for parallel in (1, 2):
@@ -498,7 +510,7 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
 
 @pytest.mark.parametrize("width, value_dim, heads, positions", [(576, 512, 4, 1), (576, 512, 4, 4), (32, 24, 4, 3),
                                                                  (40, 20, 2, 5)])
-def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, positions):
+def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, positions, kernel_on_float32):
     """The C kernel against torch's SDPA: latents read through batch strides (a lane view), causal masks, contexts
     of different lengths and widths that are not multiples of its vector width; each row's numbers are the same
     computed alone as beside other rows and other sequences (decode and verify agree bit for bit)."""
@@ -569,6 +581,20 @@ def test_the_latent_kernel_gives_a_verify_row_what_decoding_its_position_gives_a
             assert torch.equal(decode[0], verify[b, rows])
 
 
+def test_the_latent_kernel_reads_float32_latents_only_where_its_vectors_are_wide(monkeypatch):
+    """Built for AVX-512 the kernel reads float32 and bfloat16 latents; built for AVX2, where its float32 path is
+    slower than SDPA, bfloat16 ones only (SDPA in bfloat16 rounds a row by the rows beside it)."""
+    from eyas.models import latent_kernel
+
+    library = latent_kernel._library()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert library is not None and library.wide == (" avx512f" in flags)
+    f32, bf16 = torch.zeros(8, 576), torch.zeros(8, 576, dtype=torch.bfloat16)
+    for wide in (False, True):
+        monkeypatch.setattr(library, "wide", wide)
+        assert latent_kernel.reads(f32) == wide and latent_kernel.reads(bf16)
+
+
 def test_the_latent_kernel_runs_on_amx_tiles_where_the_cpu_has_them():
     """Where the CPU has AMX (and Linux grants its use), attention over bfloat16 latents runs on tiles: its softmax
     weights are rounded to bfloat16, which moves the output off float32 arithmetic over the same values; elsewhere
@@ -611,7 +637,7 @@ def test_a_prompt_chunk_in_the_latent_kernel_splits_its_rows_among_threads_with_
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_a_sequence_alone_calls_the_latent_kernel_straight_with_the_same_numbers(rows):
+def test_a_sequence_alone_calls_the_latent_kernel_straight_with_the_same_numbers(rows, kernel_on_float32):
     """Batch-1 decode and verify rows (and each draft step) over one run of the cache: every layer calls the kernel
     with what the first worked out, and gets bit for bit what the general path computes; a context gathered from
     scattered blocks takes the general path."""

@@ -752,6 +752,16 @@ int latent_attention_tiles(int wanted) {
 #endif
 }
 
+/* Whether the vector path was built for AVX-512's 32 registers of 16 floats: elsewhere (AVX2) its sixteen
+   accumulators spill, and over float32 latents SDPA is faster (latent_kernel.reads). */
+int latent_attention_wide(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int latent_attention_run(const void *q, int q_half, const void *kv, int kv_half, int64_t kv_batch_stride,
                          int64_t kv_row_stride, const float *bias, int64_t H, int64_t B, int64_t R, int64_t S,
                          int64_t D, int64_t DV, float scale, void *out, int out_half) {

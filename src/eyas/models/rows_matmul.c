@@ -13,7 +13,23 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16  /* one AVX-512 register of floats: the compiler vectorises each 16-wide operation */
+/* LANES: floats in one vector register, which the compiler fills with each LANES-wide operation. A block keeps 16
+   accumulators in registers with AVX-512 (32 registers), 8 without (AVX2 has 16): twice as many there spill every
+   multiply-add to memory (32 rows ran 30x slower than CPU BLAS). V2, V4, V8: registers of columns per row in a block
+   of 2, 4 and 8 rows; FIRST_ROWS: the rows that read a block of columns from memory together. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define V2 8
+#define V4 4
+#define V8 2
+#define FIRST_ROWS 2
+#else
+#define LANES 8
+#define V2 4
+#define V4 2
+#define V8 1
+#define FIRST_ROWS 1
+#endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -73,36 +89,39 @@ static inline float scalar_bf16(const uint16_t *p) {
             for (int v = 0; v < V; v++) store(out + r * N + n0 + v * LANES, acc[r][v]);                  \
     }
 
-#define DEFINE_BLOCKS(T, W, LOAD) \
-    DEFINE_BLOCK(T, W, LOAD, 1, 8)  \
-    DEFINE_BLOCK(T, W, LOAD, 2, 8)  \
-    DEFINE_BLOCK(T, W, LOAD, 4, 4)  \
-    DEFINE_BLOCK(T, W, LOAD, 8, 2)  \
+/* the names paste V2, V4, V8 unexpanded: block_f32_2_V2 is the block of 2 rows, whatever V2 is here */
+#define DEFINE_BLOCKS(T, W, LOAD)    \
+    DEFINE_BLOCK(T, W, LOAD, 1, 8)   \
+    DEFINE_BLOCK(T, W, LOAD, 2, V2)  \
+    DEFINE_BLOCK(T, W, LOAD, 4, V4)  \
+    DEFINE_BLOCK(T, W, LOAD, 8, V8)  \
     DEFINE_BLOCK(T, W, LOAD, 1, 1)
 
 DEFINE_BLOCKS(f32, float, load)
 DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
 
 /* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. Each block of 8 * LANES columns is read
-   from memory once, by the first one or two rows, as one row reads it (8 * LANES floats of each of the K rows of w:
+   from memory once, by the first FIRST_ROWS rows, as one row reads it (8 * LANES floats of each of the K rows of w:
    runs long enough for the hardware to fetch ahead; blocks of 2 or 4 registers per row read them too short to, and
-   4 rows took 1.9 times one row's time on an evicted 8192 x 192 head). The other rows then take the block, 96 KB at
-   K = 192, from the caches, 8 rows at a time over a quarter of its columns (24 KB, in L1), each weight register
-   used by 8 rows. */
+   4 rows took 1.9 times one row's time on an evicted 8192 x 192 head). The other rows then take the block (with
+   AVX-512 96 KB at K = 192) from the caches, 8 rows at a time over V8 registers of its columns (a quarter of them,
+   24 KB, in L1), each weight register used by 8 rows. */
 #define DEFINE_ROWS_MATMUL(T, W, SCALAR)                                                                              \
 int rows_matmul_##T(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *out) {                        \
     int64_t n0 = 0;                                                                                                   \
     for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                                    \
-        int64_t r0 = M >= 2 ? 2 : M;                                                                                  \
-        if (M >= 2) block_##T##_2_8(x, K, w, N, 2, n0, out);                                                          \
-        else if (M == 1) block_##T##_1_8(x, K, w, N, 1, n0, out);                                                     \
+        int64_t r0 = M >= FIRST_ROWS ? FIRST_ROWS : M;                                                                \
+        if (M >= 2 && FIRST_ROWS == 2) block_##T##_2_V2(x, K, w, N, 2, n0, out);                                      \
+        else if (M >= 1) block_##T##_1_8(x, K, w, N, 1, n0, out);                                                     \
         for (; r0 + 8 <= M; r0 += 8)                                                                                  \
-            for (int64_t c = 0; c < 8 * LANES; c += 2 * LANES)                                                        \
-                block_##T##_8_2(x + r0 * K, K, w, N, 8, n0 + c, out + r0 * N);                                        \
+            for (int64_t c = 0; c < 8 * LANES; c += V8 * LANES)                                                       \
+                block_##T##_8_V8(x + r0 * K, K, w, N, 8, n0 + c, out + r0 * N);                                       \
         for (; r0 + 4 <= M; r0 += 4)                                                                                  \
-            for (int64_t c = 0; c < 8 * LANES; c += 4 * LANES)                                                        \
-                block_##T##_4_4(x + r0 * K, K, w, N, 4, n0 + c, out + r0 * N);                                        \
-        for (; r0 + 2 <= M; r0 += 2) block_##T##_2_8(x + r0 * K, K, w, N, 2, n0, out + r0 * N);                       \
+            for (int64_t c = 0; c < 8 * LANES; c += V4 * LANES)                                                       \
+                block_##T##_4_V4(x + r0 * K, K, w, N, 4, n0 + c, out + r0 * N);                                       \
+        for (; r0 + 2 <= M; r0 += 2)                                                                                  \
+            for (int64_t c = 0; c < 8 * LANES; c += V2 * LANES)                                                       \
+                block_##T##_2_V2(x + r0 * K, K, w, N, 2, n0 + c, out + r0 * N);                                       \
         if (r0 < M) block_##T##_1_8(x + r0 * K, K, w, N, 1, n0, out + r0 * N);                                        \
     }                                                                                                                 \
     for (; n0 + LANES <= N; n0 += LANES)                                                                              \
