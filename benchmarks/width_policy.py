@@ -4,19 +4,18 @@ run on a warm engine (as a server runs: its width policy has seen traffic before
     python benchmarks/width_policy.py                                  # bundled target + MLA draft, c = 1 4 16 32
     python benchmarks/width_policy.py --concurrency 16 32 --rounds 5 --out report.json
 
-Per concurrency c: c x --requests-per-slot prompts of --prompts (at least --min-requests) run with at most c at a
-time, a new one taking each finished one's place as on a server (greedy, --new-tokens each or, with --range-ratio,
-lengths spread around it, ignore_eos), through a plain engine, an engine verifying a fixed width w for every w in
-0..K, and the adaptive one. (Exactly c requests started together end in a tail of a few sequences that accepted
-least, whose steps run at a small batch: there a width that drafts less loses least, and the tail weighs on the run
-as it seldom does on a server.) Each engine is
-warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every engine once, in turn (each
-round starting one engine further on, so none always runs after the same one), so a slow spell of a shared machine
-hits all alike; a configuration's figure is its median round. Printed per concurrency:
-output tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each
-round: how far apart two engines run in one round shows what the medians' ratio is worth) and speculative / plain,
-and the widths the adaptive policy chose (share of decode steps at each); the report also keeps every round.
-Greedy outputs of every engine are checked equal to plain's, token for token.
+Per concurrency c: c x --requests-per-slot prompts of --prompts (at least --min-requests) run with at most c at a time,
+a new one taking each finished one's place as on a server (greedy, --new-tokens each or, with --range-ratio, lengths
+spread around it, ignore_eos), through a plain engine, an engine verifying a fixed width w for every w in 0..K, and the
+adaptive one. (Exactly c requests started together end in a tail of a few sequences that accepted least, whose steps run
+at a small batch: there a width that drafts less loses least, and the tail weighs on the run as it seldom does on a
+server.) Each engine is warmed at that concurrency first (--warmup-runs whole runs). Then --rounds rounds run every
+engine once, in turn (each round starting one engine further on, so none always runs after the same one), so a slow
+spell of a shared machine hits all alike; a configuration's figure is its median round. Printed per concurrency: output
+tok/s of each, the best fixed width in hindsight, adaptive / best fixed (of the medians, and within each round: how far
+apart two engines run in one round shows what the medians' ratio is worth) and speculative / plain, and the widths the
+adaptive policy chose (share of decode steps at each); the report also keeps every round. Greedy outputs of every engine
+are checked equal to plain's, token for token.
 """
 
 from __future__ import annotations
@@ -99,8 +98,9 @@ def timed_rounds(llms: dict[str, LLM], batch: list, params: SamplingParams | lis
             outs = llm.generate(batch, params, use_tqdm=False)
             seconds[name].append(time.perf_counter() - start)
             tokens = [o.token_ids for o in outs]
-            reference, first = (reference, first) if reference else (tokens, name)
-            if tokens != reference:
+            if reference is None:
+                reference, first = tokens, name
+            elif tokens != reference:
                 raise SystemExit(f"c={concurrency}: {name}'s greedy output differs from {first}'s")
     tokens = sum(p.max_tokens for p in params) if isinstance(params, list) else len(batch) * params.max_tokens
     if each_round is not None:
