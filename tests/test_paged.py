@@ -21,13 +21,13 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def kernel_on_float32(monkeypatch):
-    """The latent kernel reading float32 latents, as it does where the CPU has AVX-512 (`latent_kernel.reads`), so its
-    paths are checked on every CPU."""
+    """The latent kernel reading float32 latents, as it does where the CPU has AVX-512 or AVX2
+    (`latent_kernel.reads`), so its paths are checked on every CPU."""
     from eyas.models import latent_kernel
 
     library = latent_kernel._library()
     if library is not None:
-        monkeypatch.setattr(library, "wide", True)
+        monkeypatch.setattr(library, "fits_registers", True)
 
 
 def full_logits(model, ids):
@@ -487,7 +487,7 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
             kernel_threads.append((args[8], threading.get_ident()))
             return run(*args)
 
-    fake = type("L", (), {"latent_attention_run": Counted(), "wide": True})()  # wide: float32 latents too
+    fake = type("L", (), {"latent_attention_run": Counted(), "fits_registers": True})()  # float32 latents too
     monkeypatch.setattr(latent_kernel, "_library", lambda: fake)
     assert torch.get_num_threads() == 1
     outs = []
@@ -509,7 +509,7 @@ def test_large_batched_attention_runs_on_parallel_threads_with_the_same_result(m
 
 
 @pytest.mark.parametrize("width, value_dim, heads, positions", [(576, 512, 4, 1), (576, 512, 4, 4), (32, 24, 4, 3),
-                                                                 (40, 20, 2, 5)])
+                                                                 (40, 20, 2, 5), (37, 21, 3, 2)])
 def test_the_latent_kernel_computes_what_sdpa_computes(width, value_dim, heads, positions, kernel_on_float32):
     """The C kernel against torch's SDPA: latents read through batch strides (a lane view), causal masks, contexts
     of different lengths and widths that are not multiples of its vector width; each row's numbers are the same
@@ -581,18 +581,19 @@ def test_the_latent_kernel_gives_a_verify_row_what_decoding_its_position_gives_a
             assert torch.equal(decode[0], verify[b, rows])
 
 
-def test_the_latent_kernel_reads_float32_latents_only_where_its_vectors_are_wide(monkeypatch):
-    """Built for AVX-512 the kernel reads float32 and bfloat16 latents; built for AVX2, where its float32 path is
-    slower than SDPA, bfloat16 ones only (SDPA in bfloat16 rounds a row by the rows beside it)."""
+def test_the_latent_kernel_reads_float32_latents_only_where_its_accumulators_fit_the_registers(monkeypatch):
+    """Built for AVX-512 or AVX2 with FMA the kernel reads float32 and bfloat16 latents; built for other CPUs, where
+    its float32 path is slower than SDPA, bfloat16 ones only (SDPA in bfloat16 rounds a row by the rows beside it)."""
     from eyas.models import latent_kernel
 
     library = latent_kernel._library()
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    assert library is not None and library.wide == (" avx512f" in flags)
+    assert library is not None
+    assert library.fits_registers == (" avx512f" in flags or (" avx2" in flags and " fma" in flags))
     f32, bf16 = torch.zeros(8, 576), torch.zeros(8, 576, dtype=torch.bfloat16)
-    for wide in (False, True):
-        monkeypatch.setattr(library, "wide", wide)
-        assert latent_kernel.reads(f32) == wide and latent_kernel.reads(bf16)
+    for fits in (False, True):
+        monkeypatch.setattr(library, "fits_registers", fits)
+        assert latent_kernel.reads(f32) == fits and latent_kernel.reads(bf16)
 
 
 def test_the_latent_kernel_runs_on_amx_tiles_where_the_cpu_has_them():

@@ -24,7 +24,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) || defined(__AMX_TILE__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define NARROW 1  /* AVX2's 16 registers of 8 floats: the scores and the sums have their own blocking below */
+#else
+#define NARROW 0
+#endif
+#if defined(__AVX512BF16__) || defined(__AMX_TILE__) || NARROW
 #include <immintrin.h>
 #endif
 
@@ -233,6 +238,122 @@ static inline void values_4(const float *const p[GROUP], const float factor[GROU
         }
 }
 
+#if NARROW
+/* AVX2 has 16 registers of 8 floats: the 16 accumulators of scores_4x4 and values_4 would spill on every
+   multiply-add. Here four query rows meet two latents at a time (8 accumulators, the two latents and a query row in
+   registers: 6 loads for 8 multiply-adds), and the weighted sums take 16 columns of four rows at a time. Every dot
+   product and every column's sum is still one fixed sequence of fused multiply-adds whatever the rows and
+   positions beside it. */
+
+/* LANES numbers of a latent from element i on as float32 (bfloat16: the high half of a float32's bits). */
+static inline __m256 load_latent_8(const void *latent, int64_t i, int half) {
+    if (!half) return _mm256_loadu_ps((const float *)latent + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)latent + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The 8 lanes of each of a0..a7 summed, into lane j of the result for aj, every one by the same tree
+   ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). */
+static inline __m256 lanes_sums_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                  __m256 a7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* dots[r * GROUP + j] for the four query rows q0..q3 and the latents j and j + 1 at k0 and k1; the bytes `ahead` of
+   each latent are prefetched as it is read. */
+static inline void scores_4x2_narrow(const float *q0, const float *q1, const float *q2, const float *q3,
+                                     const void *k0, const void *k1, int64_t D, int half, int64_t ahead, int j,
+                                     float dots[GROUP * GROUP]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    int64_t wide = D - D % 8, line = half ? 32 : 16;  /* numbers in a 64-byte line */
+    for (int64_t d = 0; d < wide; d += 8) {
+        __m256 x0 = load_latent_8(k0, d, half), x1 = load_latent_8(k1, d, half);
+        if (d % line == 0) {
+            __builtin_prefetch((const char *)k0 + ahead + (half ? 2 : 4) * d, 0, 2);
+            __builtin_prefetch((const char *)k1 + ahead + (half ? 2 : 4) * d, 0, 2);
+        }
+        __m256 y = _mm256_loadu_ps(q0 + d);
+        a00 = _mm256_fmadd_ps(y, x0, a00), a01 = _mm256_fmadd_ps(y, x1, a01);
+        y = _mm256_loadu_ps(q1 + d);
+        a10 = _mm256_fmadd_ps(y, x0, a10), a11 = _mm256_fmadd_ps(y, x1, a11);
+        y = _mm256_loadu_ps(q2 + d);
+        a20 = _mm256_fmadd_ps(y, x0, a20), a21 = _mm256_fmadd_ps(y, x1, a21);
+        y = _mm256_loadu_ps(q3 + d);
+        a30 = _mm256_fmadd_ps(y, x0, a30), a31 = _mm256_fmadd_ps(y, x1, a31);
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, lanes_sums_8(a00, a01, a10, a11, a20, a21, a30, a31));
+    const float *q[GROUP] = {q0, q1, q2, q3};
+    for (int r = 0; r < GROUP; r++)
+        for (int i = 0; i < 2; i++) {
+            float dot = sums[2 * r + i];
+            for (int64_t d = wide; d < D; d++) dot = fmaf(q[r][d], latent_at(i ? k1 : k0, d, half), dot);
+            dots[r * GROUP + j + i] = dot;
+        }
+}
+
+static inline void scores_4x4_narrow(const float *const q[GROUP], const void *const latent[GROUP], int64_t D,
+                                     int half, int64_t ahead, float dots[GROUP * GROUP]) {
+    scores_4x2_narrow(q[0], q[1], q[2], q[3], latent[0], latent[1], D, half, ahead, 0, dots);
+    scores_4x2_narrow(q[0], q[1], q[2], q[3], latent[2], latent[3], D, half, ahead, 2, dots);
+}
+
+/* values_4 in AVX2's registers: 16 columns of the four rows at a time (8 accumulators), then 8, then one by one. */
+static inline void values_4_narrow(const float *const p[GROUP], const float factor[GROUP], const char *kv,
+                                   int64_t stride, int64_t begin, int64_t end, int64_t DV, int half,
+                                   float *const out[GROUP]) {
+    const float *p0 = p[0] - begin, *p1 = p[1] - begin, *p2 = p[2] - begin, *p3 = p[3] - begin;
+    float *o0 = out[0], *o1 = out[1], *o2 = out[2], *o3 = out[3];
+    __m256 f0 = _mm256_set1_ps(factor[0]), f1 = _mm256_set1_ps(factor[1]), f2 = _mm256_set1_ps(factor[2]),
+           f3 = _mm256_set1_ps(factor[3]);
+    int64_t d = 0;
+    for (; d + 16 <= DV; d += 16) {
+        __m256 a00 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d)), a01 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d + 8));
+        __m256 a10 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d)), a11 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d + 8));
+        __m256 a20 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d)), a21 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d + 8));
+        __m256 a30 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d)), a31 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d + 8));
+        for (int64_t s = begin; s < end; s++) {
+            const void *v = kv + s * stride;
+            __m256 v0 = load_latent_8(v, d, half), v1 = load_latent_8(v, d + 8, half);
+            __m256 w = _mm256_broadcast_ss(p0 + s);
+            a00 = _mm256_fmadd_ps(w, v0, a00), a01 = _mm256_fmadd_ps(w, v1, a01);
+            w = _mm256_broadcast_ss(p1 + s);
+            a10 = _mm256_fmadd_ps(w, v0, a10), a11 = _mm256_fmadd_ps(w, v1, a11);
+            w = _mm256_broadcast_ss(p2 + s);
+            a20 = _mm256_fmadd_ps(w, v0, a20), a21 = _mm256_fmadd_ps(w, v1, a21);
+            w = _mm256_broadcast_ss(p3 + s);
+            a30 = _mm256_fmadd_ps(w, v0, a30), a31 = _mm256_fmadd_ps(w, v1, a31);
+        }
+        _mm256_storeu_ps(o0 + d, a00), _mm256_storeu_ps(o0 + d + 8, a01);
+        _mm256_storeu_ps(o1 + d, a10), _mm256_storeu_ps(o1 + d + 8, a11);
+        _mm256_storeu_ps(o2 + d, a20), _mm256_storeu_ps(o2 + d + 8, a21);
+        _mm256_storeu_ps(o3 + d, a30), _mm256_storeu_ps(o3 + d + 8, a31);
+    }
+    for (; d + 8 <= DV; d += 8) {
+        __m256 a0 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d)), a1 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d));
+        __m256 a2 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d)), a3 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d));
+        for (int64_t s = begin; s < end; s++) {
+            __m256 v0 = load_latent_8(kv + s * stride, d, half);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + s), v0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + s), v0, a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p2 + s), v0, a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p3 + s), v0, a3);
+        }
+        _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o1 + d, a1);
+        _mm256_storeu_ps(o2 + d, a2), _mm256_storeu_ps(o3 + d, a3);
+    }
+    for (; d < DV; d++)
+        for (int r = 0; r < GROUP; r++) {
+            float acc = factor[r] * out[r][d];
+            for (int64_t s = begin; s < end; s++)
+                acc = fmaf(p[r][s - begin], latent_at(kv + s * stride, d, half), acc);
+            out[r][d] = acc;
+        }
+}
+#endif
+
 /* One row's scores over a block of positions turned into its softmax weights against the row's running maximum
    `top`, which rises to the block's: the factor its earlier sums are rescaled by. Its running total of weights
    grows by the block's. */
@@ -293,7 +414,11 @@ static inline int attend_block(const float *qb, const uint16_t *qh, const char *
                     scores_4x4_bf16(qr, latent, D, GROUP * stride, dots);
                 else
 #endif
+#if NARROW
+                    scores_4x4_narrow(q, latent, D, half, GROUP * stride, dots);
+#else
                     scores_4x4(q, latent, D, half, GROUP * stride, dots);
+#endif
                 for (int r = 0; r < GROUP && g + r < rows; r++)
                     for (int j = 0; j < GROUP && s + j < hi; j++) {
                         float m = mask[(r0 + g + r) / H * S + s + j];
@@ -310,13 +435,17 @@ static inline int attend_block(const float *qb, const uint16_t *qh, const char *
                 out[r] = g + r < rows ? o + (g + r) * DV : spare;
                 f[r] = factor[g + r < rows ? g + r : g];
             }
+#if NARROW
+            values_4_narrow(pr, f, k, stride, lo, hi, DV, half, out);
+#else
             values_4(pr, f, k, stride, lo, hi, DV, half, out);
+#endif
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         if (total[r] == 0.0f) return -3;
         float inverse = 1.0f / total[r];
-        if (half)
+        if (half && !NARROW)
             for (int64_t d = 0; d < DV - DV % (4 * LANES); d += 2 * LANES) unscramble(o + r * DV + d);
         for (int64_t d = 0; d < DV; d++) o[r * DV + d] *= inverse;
     }
@@ -752,10 +881,11 @@ int latent_attention_tiles(int wanted) {
 #endif
 }
 
-/* Whether the vector path was built for AVX-512's 32 registers of 16 floats: elsewhere (AVX2) its sixteen
-   accumulators spill, and over float32 latents SDPA is faster (latent_kernel.reads). */
-int latent_attention_wide(void) {
-#if defined(__AVX512F__)
+/* Whether the vector path's accumulators fit this CPU's registers: built for AVX-512 (32 registers of 16 floats) or
+   AVX2 with FMA (16 of 8: the NARROW blocking). Elsewhere they spill, and over float32 latents SDPA is faster
+   (latent_kernel.reads). */
+int latent_attention_fits_registers(void) {
+#if defined(__AVX512F__) || NARROW
     return 1;
 #else
     return 0;

@@ -62,8 +62,8 @@ def _library() -> ctypes.CDLL | None:
     library.latent_attention_tiles.restype = ctypes.c_int
     library.latent_attention_tiles.argtypes = [ctypes.c_int]
     library.tiles = bool(library.latent_attention_tiles(1))  # before any call: every call goes the same way
-    library.latent_attention_wide.restype = ctypes.c_int
-    library.wide = bool(library.latent_attention_wide())
+    library.latent_attention_fits_registers.restype = ctypes.c_int
+    library.fits_registers = bool(library.latent_attention_fits_registers())
     return library
 
 
@@ -95,13 +95,14 @@ def load() -> bool:
 def reads(cache: torch.Tensor) -> bool:
     """Whether the kernel attends over this cache of latents (on CPU, float32 or bfloat16), for queries in float32
     or bfloat16 (over bfloat16 latents it rounds float32 queries to bfloat16 where the CPU has bfloat16 dot
-    products: a bfloat16 model's queries lose nothing). Over float32 latents only where the CPU has AVX-512: on an
-    AVX2-only AMD EPYC the kernel took 2-4x SDPA's time (`python benchmarks/latent_attention.py --concurrency`),
-    and SDPA computes a float32 row alike whatever rows run beside it; over bfloat16 latents everywhere, as SDPA in
-    bfloat16 does not."""
+    products: a bfloat16 model's queries lose nothing). Over float32 latents only where its accumulators fit the
+    CPU's registers (AVX-512, or AVX2 with FMA): built generic for other CPUs they spill, and SDPA, which computes a
+    float32 row alike whatever rows run beside it, is faster (on an AVX2 AMD EPYC before the kernel had AVX2 blocking
+    it took 2-7x SDPA's time, `python benchmarks/latent_attention.py --concurrency`); over bfloat16 latents
+    everywhere, as SDPA in bfloat16 does not."""
     library = _library()
     return (cache.device.type == "cpu" and cache.dtype in LATENT_DTYPES and library is not None
-            and (library.wide or cache.dtype == torch.bfloat16))
+            and (library.fits_registers or cache.dtype == torch.bfloat16))
 
 
 def takes(queries: torch.Tensor, kv: torch.Tensor, value_dim: int) -> bool:
