@@ -1,8 +1,10 @@
-"""Where a batch-1 step's time goes, phase by phase: plain decoding and each draft given, one request at a time on
-held-out prompts, greedy, fixed width, real acceptance, the defaults' compiled step and dtype.
+"""Where a step's time goes, phase by phase: plain decoding and each draft given, one request at a time (or
+--batch at a time) on held-out prompts, greedy, fixed width, real acceptance, the defaults' compiled step and dtype.
 
     python benchmarks/step_phases.py       # plain, the bundled EAGLE-3 MLA draft at K=3, the DFlash draft at K=7, 3
     python benchmarks/step_phases.py --draft eagle:examples/tiny-deepseek-v3-eagle3-mha:3 --draft mtp::3
+    python benchmarks/step_phases.py --batch 16 --num-prompts 32 --max-new-tokens 64 \
+        --draft eagle:examples/tiny-deepseek-v3-eagle3-mla:1
 
 Each phase is timed by perf_counter around the engine's own method: the whole step (ModelRunner.run), the target
 forward over the step's rows (ModelRunner.forward), the acceptance (Verifier.__call__), the draft's work
@@ -63,10 +65,11 @@ class TimedCall:
         return getattr(self.inner, name)
 
 
-def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_tokens: int, dtype: str) -> dict:
-    llm = LLM(model, max_num_seqs=1, compiled_step=True, threads=1, dtype=dtype,
+def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_tokens: int, dtype: str, batch: int
+            ) -> dict:
+    llm = LLM(model, max_num_seqs=batch, compiled_step=True, threads=1, dtype=dtype,
               **({"speculative_config": config} if config is not None else {}))
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16))  # first calls and caches, untimed
+    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=16))  # first calls and caches, untimed
     runner, times = llm.runner, defaultdict(list)
     timed(times, runner, "run", "step")
     timed(times, runner, "forward", "target forward")
@@ -82,7 +85,8 @@ def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_to
             runner.proposer.draft = TimedCall(draft, times, "propose: draft forward")
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start = time.perf_counter()
-    tokens = sum(len(llm.generate([p], params)[0].token_ids) for p in prompts)
+    tokens = sum(len(out.token_ids) for i in range(0, len(prompts), batch)
+                 for out in llm.generate(prompts[i:i + batch], params))
     seconds = time.perf_counter() - start
     steps = len(times["step"])
     row = {"dtype": str(llm.runner.dtype).removeprefix("torch."), "tokens_per_s": round(tokens / seconds, 1),
@@ -100,7 +104,9 @@ def main() -> None:
                          "empty for mtp); default: "
                          + ", ".join(d.replace(str(REPO) + "/", "") for d in DEFAULT_DRAFTS))
     ap.add_argument("--prompts", type=Path, default=REPO / "examples" / "prompts" / "eval.jsonl")
-    ap.add_argument("--num-prompts", type=int, default=16, help="the file's first prompts, one at a time")
+    ap.add_argument("--num-prompts", type=int, default=16, help="the file's first prompts (default 16)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together, the next ones when they are done "
+                    "(default 1)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="the target's dtype (default auto, as eyas runs: bfloat16 on CPUs with AMX)")
@@ -115,7 +121,7 @@ def main() -> None:
                                           adaptive_width=False)))
     rows = {}
     for name, config in configs:
-        rows[name] = row = measure(args.model, config, prompts, args.max_new_tokens, args.dtype)
+        rows[name] = row = measure(args.model, config, prompts, args.max_new_tokens, args.dtype, args.batch)
         row["step / plain step"] = round(row["step ms"] / rows["plain"]["step ms"], 3)
         print(name, json.dumps(row), flush=True)
     if args.out:
