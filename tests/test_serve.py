@@ -179,6 +179,24 @@ def test_models_and_health(server, client):
     assert httpx.get(server[0] + "/health").status_code == 200
 
 
+def test_the_engine_thread_gets_the_gil_back_within_its_switch_interval_while_serving(checkpoint):
+    """While a server runs, a thread holding the GIL yields it to the waiting engine thread after GIL_SWITCH_S, not
+    Python's 5 ms; once it stops, the process's interval is back."""
+    import sys
+
+    from eyas.serve.engine import GIL_SWITCH_S
+
+    before = sys.getswitchinterval()  # another test's server may have set it
+    sys.setswitchinterval(0.005)
+    try:
+        with running(LLM(checkpoint, max_num_seqs=2)) as (url, _):
+            assert httpx.get(url + "/health").status_code == 200
+            assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 # -- errors -----------------------------------------------------------------------------------------------------
 
 BAD = [  # (endpoint, body, param the error names, a word of the message)

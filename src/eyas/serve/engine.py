@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the inbox before checking for shutdown
 PREPARE_WORKERS = 2  # threads that tokenize and compile grammars; requests past them wait their turn
+# the seconds a thread holding the GIL runs on before it yields to one waiting for it (Python's default: 0.005). The
+# engine thread drops the GIL in every kernel and waits for it after each, while the event loop formats the streams
+# of the step before: at Python's default a step of 16 sequences waited up to 5 ms a time. Held-out prompts at c=16
+# on the bundled target, 2 cores, three interleaved pairs: median decode step 22.0 / 21.0 / 18.3 ms at the default,
+# 20.5 / 19.0 / 18.3 at 0.0002; output tok/s 1.04-1.11x
+GIL_SWITCH_S = 0.0002
 
 
 @dataclass(slots=True)
@@ -100,17 +107,22 @@ class EngineLoop:
         self.inbox: queue.Queue[tuple[str, EngineRequest]] = queue.Queue()
         self.live: dict[int, EngineRequest] = {}  # seq_id -> request, engine thread only
         self._stopping = threading.Event()
+        self._switch_interval: float | None = None
         self._thread = threading.Thread(target=self._run, name="eyas-engine", daemon=True)
         spec = llm.speculative_config
         self._draft_slack = spec.max_num_tokens if spec is not None else 0
 
     # -- called from the event loop -------------------------------------------------------------------------------
     def start(self) -> None:
+        self._switch_interval = sys.getswitchinterval()  # the process's, back at stop()
+        sys.setswitchinterval(GIL_SWITCH_S)
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=10)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def prepare(self, make_params, prompt: str | list[int] | list[dict], param: str,
