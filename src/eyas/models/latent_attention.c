@@ -261,12 +261,22 @@ static inline __m256 lanes_sums_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* acc[2r + i] += w_r * x_i for four rows' factors w0..w3 and two vectors x0, x1: the eight accumulators both blockings
+   keep (inlined, they stay in registers). */
+static inline void rows_times_pair(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 x0, __m256 x1, __m256 acc[8]) {
+    acc[0] = _mm256_fmadd_ps(w0, x0, acc[0]), acc[1] = _mm256_fmadd_ps(w0, x1, acc[1]);
+    acc[2] = _mm256_fmadd_ps(w1, x0, acc[2]), acc[3] = _mm256_fmadd_ps(w1, x1, acc[3]);
+    acc[4] = _mm256_fmadd_ps(w2, x0, acc[4]), acc[5] = _mm256_fmadd_ps(w2, x1, acc[5]);
+    acc[6] = _mm256_fmadd_ps(w3, x0, acc[6]), acc[7] = _mm256_fmadd_ps(w3, x1, acc[7]);
+}
+
 /* dots[r * GROUP + j] for the four query rows q0..q3 and the latents j and j + 1 at k0 and k1; the bytes `ahead` of
    each latent are prefetched as it is read. */
 static inline void scores_4x2_narrow(const float *q0, const float *q1, const float *q2, const float *q3,
                                      const void *k0, const void *k1, int64_t D, int half, int64_t ahead, int j,
                                      float dots[GROUP * GROUP]) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
     int64_t wide = D - D % 8, line = half ? 32 : 16;  /* numbers in a 64-byte line */
     for (int64_t d = 0; d < wide; d += 8) {
         __m256 x0 = load_latent_8(k0, d, half), x1 = load_latent_8(k1, d, half);
@@ -274,17 +284,11 @@ static inline void scores_4x2_narrow(const float *q0, const float *q1, const flo
             __builtin_prefetch((const char *)k0 + ahead + (half ? 2 : 4) * d, 0, 2);
             __builtin_prefetch((const char *)k1 + ahead + (half ? 2 : 4) * d, 0, 2);
         }
-        __m256 y = _mm256_loadu_ps(q0 + d);
-        a00 = _mm256_fmadd_ps(y, x0, a00), a01 = _mm256_fmadd_ps(y, x1, a01);
-        y = _mm256_loadu_ps(q1 + d);
-        a10 = _mm256_fmadd_ps(y, x0, a10), a11 = _mm256_fmadd_ps(y, x1, a11);
-        y = _mm256_loadu_ps(q2 + d);
-        a20 = _mm256_fmadd_ps(y, x0, a20), a21 = _mm256_fmadd_ps(y, x1, a21);
-        y = _mm256_loadu_ps(q3 + d);
-        a30 = _mm256_fmadd_ps(y, x0, a30), a31 = _mm256_fmadd_ps(y, x1, a31);
+        rows_times_pair(_mm256_loadu_ps(q0 + d), _mm256_loadu_ps(q1 + d), _mm256_loadu_ps(q2 + d),
+                        _mm256_loadu_ps(q3 + d), x0, x1, acc);
     }
     float sums[8];
-    _mm256_storeu_ps(sums, lanes_sums_8(a00, a01, a10, a11, a20, a21, a30, a31));
+    _mm256_storeu_ps(sums, lanes_sums_8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
     const float *q[GROUP] = {q0, q1, q2, q3};
     for (int r = 0; r < GROUP; r++)
         for (int i = 0; i < 2; i++) {
@@ -310,26 +314,19 @@ static inline void values_4_narrow(const float *const p[GROUP], const float fact
            f3 = _mm256_set1_ps(factor[3]);
     int64_t d = 0;
     for (; d + 16 <= DV; d += 16) {
-        __m256 a00 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d)), a01 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d + 8));
-        __m256 a10 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d)), a11 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d + 8));
-        __m256 a20 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d)), a21 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d + 8));
-        __m256 a30 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d)), a31 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d + 8));
+        float *const o[GROUP] = {o0, o1, o2, o3};
+        const __m256 f[GROUP] = {f0, f1, f2, f3};
+        __m256 acc[8];
+        for (int r = 0; r < GROUP; r++)
+            for (int i = 0; i < 2; i++) acc[2 * r + i] = _mm256_mul_ps(f[r], _mm256_loadu_ps(o[r] + d + 8 * i));
         for (int64_t s = begin; s < end; s++) {
             const void *v = kv + s * stride;
-            __m256 v0 = load_latent_8(v, d, half), v1 = load_latent_8(v, d + 8, half);
-            __m256 w = _mm256_broadcast_ss(p0 + s);
-            a00 = _mm256_fmadd_ps(w, v0, a00), a01 = _mm256_fmadd_ps(w, v1, a01);
-            w = _mm256_broadcast_ss(p1 + s);
-            a10 = _mm256_fmadd_ps(w, v0, a10), a11 = _mm256_fmadd_ps(w, v1, a11);
-            w = _mm256_broadcast_ss(p2 + s);
-            a20 = _mm256_fmadd_ps(w, v0, a20), a21 = _mm256_fmadd_ps(w, v1, a21);
-            w = _mm256_broadcast_ss(p3 + s);
-            a30 = _mm256_fmadd_ps(w, v0, a30), a31 = _mm256_fmadd_ps(w, v1, a31);
+            rows_times_pair(_mm256_broadcast_ss(p0 + s), _mm256_broadcast_ss(p1 + s), _mm256_broadcast_ss(p2 + s),
+                            _mm256_broadcast_ss(p3 + s), load_latent_8(v, d, half), load_latent_8(v, d + 8, half),
+                            acc);
         }
-        _mm256_storeu_ps(o0 + d, a00), _mm256_storeu_ps(o0 + d + 8, a01);
-        _mm256_storeu_ps(o1 + d, a10), _mm256_storeu_ps(o1 + d + 8, a11);
-        _mm256_storeu_ps(o2 + d, a20), _mm256_storeu_ps(o2 + d + 8, a21);
-        _mm256_storeu_ps(o3 + d, a30), _mm256_storeu_ps(o3 + d + 8, a31);
+        for (int r = 0; r < GROUP; r++)
+            for (int i = 0; i < 2; i++) _mm256_storeu_ps(o[r] + d + 8 * i, acc[2 * r + i]);
     }
     for (; d + 8 <= DV; d += 8) {
         __m256 a0 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d)), a1 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d));
