@@ -190,6 +190,19 @@ static inline void unscramble(float *out) {
     memcpy(out + LANES, &b, sizeof b);
 }
 
+/* values_4's columns from `first` to DV one by one, for the widths its vectors do not cover. */
+static inline void values_one_by_one(const float *const p[GROUP], const float factor[GROUP], const char *kv,
+                                     int64_t stride, int64_t begin, int64_t end, int64_t first, int64_t DV, int half,
+                                     float *const out[GROUP]) {
+    for (int64_t d = first; d < DV; d++)
+        for (int r = 0; r < GROUP; r++) {
+            float acc = factor[r] * out[r][d];
+            for (int64_t s = begin; s < end; s++)
+                acc = fmaf(p[r][s - begin], latent_at(kv + s * stride, d, half), acc);
+            out[r][d] = acc;
+        }
+}
+
 /* out[r] = factor[r] * out[r] + sum over s in [begin, end) of p[r][s - begin] * (the first DV numbers of latent s),
    for four rows, 4 * LANES columns at a time in registers across the positions, then LANES at a time, then one by
    one: each column's sum is the same sequence of multiply-adds in every case. */
@@ -229,13 +242,7 @@ static inline void values_4(const float *const p[GROUP], const float factor[GROU
         }
         for (int r = 0; r < GROUP; r++) memcpy(out[r] + d, &acc[r], sizeof acc[r]);
     }
-    for (; d < DV; d++)
-        for (int r = 0; r < GROUP; r++) {
-            float acc = factor[r] * out[r][d];
-            for (int64_t s = begin; s < end; s++)
-                acc = fmaf(p[r][s - begin], latent_at(kv + s * stride, d, half), acc);
-            out[r][d] = acc;
-        }
+    values_one_by_one(p, factor, kv, stride, begin, end, d, DV, half, out);
 }
 
 #if NARROW
@@ -341,13 +348,7 @@ static inline void values_4_narrow(const float *const p[GROUP], const float fact
         _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o1 + d, a1);
         _mm256_storeu_ps(o2 + d, a2), _mm256_storeu_ps(o3 + d, a3);
     }
-    for (; d < DV; d++)
-        for (int r = 0; r < GROUP; r++) {
-            float acc = factor[r] * out[r][d];
-            for (int64_t s = begin; s < end; s++)
-                acc = fmaf(p[r][s - begin], latent_at(kv + s * stride, d, half), acc);
-            out[r][d] = acc;
-        }
+    values_one_by_one(p, factor, kv, stride, begin, end, d, DV, half, out);
 }
 #endif
 
