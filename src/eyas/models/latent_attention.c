@@ -10,7 +10,8 @@
    positions at a time, their scores and then their weighted sum while the latents are in cache, the softmax kept
    running (each row's maximum and total so far, the sums rescaled when the maximum rises). Four query rows meet four
    latents at a time, all sixteen dot products in registers, summed across their lanes together by one tree of
-   shuffles; the next four latents are prefetched meanwhile. Each row's result is computed by the same operations in
+   shuffles; the next four latents are prefetched meanwhile (on AVX2, with half the registers, four rows meet two
+   latents at a time: NARROW below). Each row's result is computed by the same operations in
    the same order whatever the other rows are (the blocks start at multiples of BLOCK; a missing row of a group of
    four computes a copy of a present one, a missing position a copy of the last; a position a row does not see adds
    a weight of exactly 0): decode and verify give the same numbers.

@@ -98,7 +98,7 @@ def reads(cache: torch.Tensor) -> bool:
     products: a bfloat16 model's queries lose nothing). Over float32 latents only where its accumulators fit the
     CPU's registers (AVX-512, or AVX2 with FMA): built generic for other CPUs they spill, and SDPA, which computes a
     float32 row alike whatever rows run beside it, is faster (on an AVX2 AMD EPYC before the kernel had AVX2 blocking
-    it took 2-7x SDPA's time, `python benchmarks/latent_attention.py --concurrency`); over bfloat16 latents
+    it took 3-7x SDPA's time, `python benchmarks/latent_attention.py --concurrency`); over bfloat16 latents
     everywhere, as SDPA in bfloat16 does not."""
     library = _library()
     return (cache.device.type == "cpu" and cache.dtype in LATENT_DTYPES and library is not None
