@@ -316,17 +316,15 @@ static inline void scores_4x4_narrow(const float *const q[GROUP], const void *co
 static inline void values_4_narrow(const float *const p[GROUP], const float factor[GROUP], const char *kv,
                                    int64_t stride, int64_t begin, int64_t end, int64_t DV, int half,
                                    float *const out[GROUP]) {
+    /* the weights as one pointer each, indexed by position, for the multiply-adds' loop */
     const float *p0 = p[0] - begin, *p1 = p[1] - begin, *p2 = p[2] - begin, *p3 = p[3] - begin;
-    float *o0 = out[0], *o1 = out[1], *o2 = out[2], *o3 = out[3];
-    __m256 f0 = _mm256_set1_ps(factor[0]), f1 = _mm256_set1_ps(factor[1]), f2 = _mm256_set1_ps(factor[2]),
-           f3 = _mm256_set1_ps(factor[3]);
+    __m256 f[GROUP];
+    for (int r = 0; r < GROUP; r++) f[r] = _mm256_set1_ps(factor[r]);
     int64_t d = 0;
     for (; d + 16 <= DV; d += 16) {
-        float *const o[GROUP] = {o0, o1, o2, o3};
-        const __m256 f[GROUP] = {f0, f1, f2, f3};
         __m256 acc[8];
         for (int r = 0; r < GROUP; r++)
-            for (int i = 0; i < 2; i++) acc[2 * r + i] = _mm256_mul_ps(f[r], _mm256_loadu_ps(o[r] + d + 8 * i));
+            for (int i = 0; i < 2; i++) acc[2 * r + i] = _mm256_mul_ps(f[r], _mm256_loadu_ps(out[r] + d + 8 * i));
         for (int64_t s = begin; s < end; s++) {
             const void *v = kv + s * stride;
             rows_times_pair(_mm256_broadcast_ss(p0 + s), _mm256_broadcast_ss(p1 + s), _mm256_broadcast_ss(p2 + s),
@@ -334,20 +332,16 @@ static inline void values_4_narrow(const float *const p[GROUP], const float fact
                             acc);
         }
         for (int r = 0; r < GROUP; r++)
-            for (int i = 0; i < 2; i++) _mm256_storeu_ps(o[r] + d + 8 * i, acc[2 * r + i]);
+            for (int i = 0; i < 2; i++) _mm256_storeu_ps(out[r] + d + 8 * i, acc[2 * r + i]);
     }
-    for (; d + 8 <= DV; d += 8) {
-        __m256 a0 = _mm256_mul_ps(f0, _mm256_loadu_ps(o0 + d)), a1 = _mm256_mul_ps(f1, _mm256_loadu_ps(o1 + d));
-        __m256 a2 = _mm256_mul_ps(f2, _mm256_loadu_ps(o2 + d)), a3 = _mm256_mul_ps(f3, _mm256_loadu_ps(o3 + d));
+    for (; d + 8 <= DV; d += 8) {  /* at most once: 8 columns left */
+        __m256 acc[GROUP];
+        for (int r = 0; r < GROUP; r++) acc[r] = _mm256_mul_ps(f[r], _mm256_loadu_ps(out[r] + d));
         for (int64_t s = begin; s < end; s++) {
             __m256 v0 = load_latent_8(kv + s * stride, d, half);
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + s), v0, a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + s), v0, a1);
-            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p2 + s), v0, a2);
-            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p3 + s), v0, a3);
+            for (int r = 0; r < GROUP; r++) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + s - begin), v0, acc[r]);
         }
-        _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o1 + d, a1);
-        _mm256_storeu_ps(o2 + d, a2), _mm256_storeu_ps(o3 + d, a3);
+        for (int r = 0; r < GROUP; r++) _mm256_storeu_ps(out[r] + d, acc[r]);
     }
     values_one_by_one(p, factor, kv, stride, begin, end, d, DV, half, out);
 }
