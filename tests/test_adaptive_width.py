@@ -317,7 +317,7 @@ def test_probes_away_from_width_0_back_off_4x_and_come_back_once_close():
     starts = [i for i in range(16, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[:2] == [64, 256] and all(g == 16 * most for g in gaps[2:]) and len(gaps) >= 3, starts
-    close = {**slow, 1: 0.0165}  # 1.8 / 16.5 ms: now ahead of width 0 by 9%, past the margin
+    close = {**slow, 1: 0.0155}  # 1.8 / 15.5 ms: now ahead of width 0 by 16%, past leave_zero_margin
     widths = run(policy, 16 * most + 16 * 4, batch=1, times=close)
     starts = [i for i in range(1, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
     assert starts[1] - starts[0] == 16, starts  # the first probe saw it close
@@ -325,6 +325,58 @@ def test_probes_away_from_width_0_back_off_4x_and_come_back_once_close():
     # 13 of its window's 16 steps are still the slow ones: only the latest steps of a probed width count
     assert starts[2] - starts[1] == 16 and widths[starts[2]:starts[2] + 16] == [1] * 16, widths[starts[1]:]
     assert policy.buckets[1].width == 1
+
+
+def test_a_drafting_width_must_beat_width_0_by_the_larger_margin(monkeypatch):
+    """Width 1 6% ahead of width 0 on its decode steps: past `margin`, not past `leave_zero_margin` (what drafting
+    costs beyond its decode steps), so width 0 is kept; 15% ahead, width 1 is taken. 12% ahead it is taken only if
+    its rate, which at width 0 only the probes measure (16 trials each here), is not judged a standard error lower
+    (DOUBT). Between drafting widths the small margin holds: width 2 6% ahead of width 1 is taken."""
+    from eyas.engine import adaptive_width
+
+    accepted = [1] * 6 + [0] * 4  # q_1 = 0.6: 1.6 tokens a step at width 1
+    for lead, doubt, expected in ((1.06, 1.0, 0), (1.15, 1.0, 1), (1.12, 1.0, 0), (1.12, 0.0, 1)):
+        monkeypatch.setattr(adaptive_width, "DOUBT", doubt)
+        times = {0: 0.010, 1: 0.016 / lead}
+        policy = AdaptiveWidth(max_width=1, probe_every=8)
+        run(policy, 200, batch=8, times={0: 0.010, 1: 0.030}, accepted=accepted)  # settles at width 0
+        assert policy.buckets[8].width == 0
+        run(policy, 400, batch=8, times=times, accepted=accepted)
+        assert policy.buckets[8].width == expected, (lead, doubt)
+    accepted = [2] * 5 + [1] * 3 + [0] * 2  # q = 0.8, 0.5: 1.8 tokens at width 1, 2.3 at width 2
+    policy = AdaptiveWidth(max_width=2, probe_every=8)
+    run(policy, 200, batch=8, times={0: 0.030, 1: 0.010, 2: 0.030}, accepted=accepted)
+    assert policy.buckets[8].width == 1
+    run(policy, 400, batch=8, times={0: 0.030, 1: 0.010, 2: 0.010 * 2.3 / 1.8 / 1.06}, accepted=accepted)
+    assert policy.buckets[8].width == 2
+
+
+def test_a_rate_from_few_trials_is_judged_at_the_low_end_of_its_interval():
+    """From width 0 a rate rests on the probes' trials: one accepted draft (all older trials faded) is read as 0.5,
+    not 1.0, and 60 trials at 0.6 about a standard error (0.06) lower."""
+    from eyas.engine.adaptive_width import _tokens_per_step
+
+    bucket = AdaptiveWidth(max_width=2)._bucket(1)
+    bucket.accepted_rate, bucket.tried_weight = [1.0, 0.6], [1.0, 60.0]
+    assert _tokens_per_step(bucket) == pytest.approx([1, 2.0, 2.6])
+    one, many = (b - a for a, b in zip(_tokens_per_step(bucket, 1.0), _tokens_per_step(bucket, 1.0)[1:]))
+    assert one == pytest.approx(0.5) and many == pytest.approx(0.6 - (0.6 * 0.4 / 60) ** 0.5, abs=0.005)
+
+
+def test_steps_that_slow_down_together_do_not_make_a_width_probed_earlier_look_faster():
+    """Every width's steps slow down alike over the run (contexts grow, the machine gets busier): 2x over 1,280
+    calls. Width 2 stays best throughout, width 3 6% behind it; width 3's probes (one in 128 calls) are older than
+    width 2's window, so compared as they were taken it would look faster. Kept divided by the level of their time
+    (width 2's latest steps against its first), they are compared at one speed and width 2 is kept."""
+    policy, calls, widths = AdaptiveWidth(max_width=3), 20 * 64, []
+    for i in range(calls):
+        w = policy.width(16)
+        widths.append(w)
+        policy.observe(16, w, CLOSE[w] * (1 + i / calls), [(w, min(a, w)) for a in ACCEPTED])
+    bucket = policy.buckets[16]
+    assert bucket.width == 2 and bucket.level == pytest.approx(2, rel=0.02)
+    assert widths[32:].count(3) <= 3 * 10 and widths[32:].count(1) <= 3 * 10, widths  # probes only
+    assert policy.step_times(16)[3] == pytest.approx(CLOSE[3] * 2, rel=0.05)
 
 
 def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths():

@@ -23,6 +23,14 @@ draft forwards; measured on the bundled target at 4, 16 and 32 sequences), so th
 run lately. Width 0 is off that line (no draft work at all: with the compiled step at one sequence 3.1 ms against
 8.5, 8.1 and 8.4 at widths 1 to 3), so it is always its own median, tried until it has `min_samples` steps.
 
+Steps of every width slow down together as the contexts grow and as other work shares the machine (at 4 sequences
+on the bundled models, width 0's median went from 7.3 to 9.0 ms within a minute, the same requests each round), and
+a probed width's few steps are older than the current width's window: compared as taken, a width probed while steps
+ran faster looked 20% ahead of width 0 and was taken, for one that lost 9% in whole runs. So each step's time is kept
+divided by the bucket's `level` when it was taken: the median of the current width's latest LEVEL_STEPS steps over
+that of its first LEVEL_STEPS steps since it was chosen (held while those run), so every width is compared at the
+speed of now.
+
 Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
 when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
 whose tries all went untimed run the nearest settled bucket's width, that of one done trying widths, else 0). What a
@@ -34,18 +42,18 @@ largest batches at the widest width to learn what the smaller ones already showe
 every sequence's pause (random prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms
 with the draft's layer eager, five decode steps of 16 sequences), which a bucket the batch only passes through, as
 it drains, pays and seldom times. Such a bucket also waits as long before its first probe as that one had come to
-wait (below). A new best replaces the current width only when it beats it by `margin`; every `probe_every` steps
-(down to a quarter of that below 8 sequences) a neighbour of the current width runs for three steps (the first
-proposes its drafts, the second verifies them, the third is timed: a run of any width is timed from its third step,
-see SETTLE_STEPS), the wider and the narrower in turn, so the line and the acceptance of the next position stay
-fresh at the cost of three steps' difference, not of a run at the widest width. A probe that finds its width more
-than BACKOFF_LOSS behind the current one doubles the wait before the next (up to MAX_BACKOFF times). A probe away
-from width 0 costs more: it also runs the draft over every position every sequence computed since the last (its
-context must have no hole), at one sequence on the bundled models 18 ms against 7 for two steps at width 0, which at
-one probe in 128 steps was 4% of the run; so on any loss it makes the wait 4x longer, up to 4 MAX_BACKOFF periods
-(1% there). One that finds its width close (or ahead) brings the wait back to probe_every. The width changes only
-how many drafts are verified: outputs are the same at every width (greedy: token for token; sampling: in
-distribution).
+wait (below). A new best replaces the current width only when it beats it by `margin` (width 0 by
+`leave_zero_margin`, below); every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of
+the current width runs for three steps (the first proposes its drafts, the second verifies them, the third is timed:
+a run of any width is timed from its third step, see SETTLE_STEPS), the wider and the narrower in turn, so the line
+and the acceptance of the next position stay fresh at the cost of three steps' difference, not of a run at the
+widest width. A probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the
+next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position
+every sequence computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms
+against 7 for two steps at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the
+wait 4x longer, up to 4 MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait
+back to probe_every. The width changes only how many drafts are verified: outputs are the same at every width
+(greedy: token for token; sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
@@ -57,6 +65,22 @@ width w >= 1 also pays, per step of the bucket, its share of that work: the prom
 sums over the last ~CONTEXT_MEMORY steps of every bucket: it is the traffic's, not the batch's), times the tokens
 such a step commits, times the draft's seconds per context row (the slope of the context work's time against its
 rows, between recent steps with prompt rows and recent steps without).
+
+What drafting costs beyond the decode steps is not all in that charge, and a width that drafts must beat width 0 by
+`leave_zero_margin` (10%), not `margin`, to be taken: requests that accept differently finish apart, so the prompts
+that replace them come one or two at a time, each in a step of its own with the eager forward, whose cost barely
+shrinks with its rows, where requests of one length decoded plainly finish together and are replaced in one step;
+and every move away from width 0 runs the draft over each sequence's pause. At 16 sequences of held-out prompts on
+the bundled models, 48 requests of 96 tokens in process, fixed width 1 ran 22 steps with prompt rows against 11 at
+width 0 (1.78 s against 1.07 of runs of 5-6 s), its decode steps within 7% of width 0's per token and, by the step
+times and rates above, within 4% or ahead: with the 2% margin the policy left width 0 on a noisy rate or probe,
+drafted stretches of 50-150 steps and ran 0.87x fixed width 0 (`python benchmarks/width_policy.py --concurrency
+16`); with 10% it stayed at width 0 (see docs/figures.md for the widths at each concurrency). And from width 0 the
+acceptance rates rest on the probes' few trials (at one sequence, two a probe, faded as the calls pass), so there
+each q_k is taken at the lower end of its Wilson score interval of DOUBT standard errors (the trials counted by the
+weight they still carry): at one sequence, after 1,400 calls at width 0 had faded every older trial, a probe's first
+accepted draft read q_1 = 1.0 and took the width to 1 (a Wilson bound reads it 0.5); at 4 sequences a probe that
+accepted 0.82 of its drafts, against 0.6 over the run, took the width to 2.
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
 per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
@@ -105,6 +129,8 @@ STALE_CALLS = 512
 # bundled models, 3c held-out prompts of 48-144 new tokens, five interleaved rounds): 0.989x against 0.978x of fixed
 # width 1 at c=16, 1.006x against 0.964x at c=32
 PEAK_CALLS = 128
+DOUBT = 1.0  # standard errors off each acceptance rate when a width is judged from width 0 (module docstring)
+LEVEL_STEPS = 8  # the latest steps of the bucket's width that set its level (a median: a slow step does not move it)
 
 
 def bucket_of(batch_size: int) -> int:
@@ -135,13 +161,23 @@ class _Bucket:
     streak: int = 0  # calls in a row, the last included, that chose it
     faded_at: int = 0  # the call at which the acceptance weights were last faded
     sizes: deque[int] = field(default_factory=lambda: deque(maxlen=PEAK_CALLS))  # sequences of its last calls
+    # how fast steps run now against the bucket's first steps (module docstring): every time is kept divided by the
+    # level it was taken at; the level is the median of the latest LEVEL_STEPS steps of the bucket's width over that
+    # of its first LEVEL_STEPS steps since it was chosen (`anchor`, divided by the level then; None until they ran)
+    level: float = 1.0
+    anchor: float | None = None
+    latest: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL_STEPS))  # the width's latest times
 
 
-def _tokens_per_step(bucket: _Bucket) -> list[float]:
+def _tokens_per_step(bucket: _Bucket, doubt: float = 0.0) -> list[float]:
     """Tokens a sequence commits in a step at each width 0..max: 1 + q_1 + ... + q_width (a position not yet tried
-    counts 0)."""
+    counts 0); with `doubt`, each q_k at the lower end of its Wilson score interval of `doubt` standard errors (its
+    trials: the weight they still carry), which a single accepted trial puts at 0.5 for doubt 1, not at 1."""
     tokens = [1.0]
-    for q in bucket.accepted_rate:
+    for q, n in zip(bucket.accepted_rate, bucket.tried_weight):
+        if q is not None and doubt and n > 0:
+            z2 = doubt * doubt
+            q = (q + z2 / (2 * n) - doubt * (q * (1 - q) / n + z2 / (4 * n * n)) ** 0.5) / (1 + z2 / n)
         tokens.append(tokens[-1] + q if q is not None else tokens[-1])
     return tokens
 
@@ -151,6 +187,7 @@ class AdaptiveWidth:
     max_width: int
     acceptance_memory: int = 64
     margin: float = 0.02
+    leave_zero_margin: float = 0.10  # the margin a drafting width must beat width 0 by (module docstring)
     probe_every: int = 64
     window: int = 16
     min_samples: int = 4
@@ -165,9 +202,10 @@ class AdaptiveWidth:
     cold_steps: int = 0  # timed steps still to come whose times are not taken (after_idle)
 
     def __post_init__(self) -> None:
-        if self.max_width < 1 or self.acceptance_memory < 1 or self.margin < 0 or self.probe_every < 2 \
+        if self.max_width < 1 or self.acceptance_memory < 1 or min(self.margin, self.leave_zero_margin) < 0 \
+                or self.probe_every < 2 \
                 or self.window < 1 or not 1 <= self.min_samples <= self.window:
-            raise ValueError("AdaptiveWidth needs max_width >= 1, acceptance_memory >= 1, margin >= 0, "
+            raise ValueError("AdaptiveWidth needs max_width >= 1, acceptance_memory >= 1, margins >= 0, "
                              "probe_every >= 2, window >= 1 and min_samples in 1..window")
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -269,7 +307,7 @@ class AdaptiveWidth:
         scores, width, tokens = self._scores(batch_size, bucket), bucket.probed, _tokens_per_step(bucket)
         samples = bucket.samples[width]
         context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
-        latest = tokens[width] / max(samples[-1] + context, 1e-9) if samples else None
+        latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
         current = scores[bucket.width]
         # a probe away from width 0 first runs the draft over every position of the pause, of every sequence
         loss, factor, most = (BACKOFF_LOSS, 2, MAX_BACKOFF) if bucket.width > 0 else (0.0, 4, 4 * MAX_BACKOFF)
@@ -326,6 +364,12 @@ class AdaptiveWidth:
         return self._step_times(batch_size, bucket, _tokens_per_step(bucket))
 
     def _step_times(self, batch_size: int, bucket: _Bucket, tokens: list[float]) -> list[float | None]:
+        per_token = self._context_seconds_per_token(batch_size)
+        return [m if m is None else m * bucket.level + (per_token * tokens[w] if w else 0.0)
+                for w, m in enumerate(self._relative_times(bucket))]
+
+    def _relative_times(self, bucket: _Bucket) -> list[float | None]:
+        """Each width's step time at the level its width was chosen at: its median, or off the line (see above)."""
         samples, medians = bucket.samples, list(bucket.medians)
         timed = [w for w, m in enumerate(medians) if m is not None and w > 0]
         if len(timed) < 2:  # no line through the drafting widths yet: width 0 may anchor it
@@ -342,16 +386,15 @@ class AdaptiveWidth:
             slope = max(slope, 0.0)
             medians = [medians[w] if len(samples[w]) >= self.min_samples or (w == 0 and samples[w])
                        else max(mean_t + slope * (w - mean_w), 1e-9) for w in range(self.max_width + 1)]
-        per_token = self._context_seconds_per_token(batch_size)
-        return [m if m is None or w == 0 else m + per_token * tokens[w] for w, m in enumerate(medians)]
+        return medians
 
     def tokens_per_second(self, batch_size: int, width: int) -> float | None:
         """The estimate the choice is made on, for one sequence at `width` (None until a width is timed)."""
         return self._scores(batch_size, self._bucket(batch_size))[width]
 
-    def _scores(self, batch_size: int, bucket: _Bucket) -> list[float | None]:
-        """tokens_per_second at every width, from one pass over the step times."""
-        tokens = _tokens_per_step(bucket)
+    def _scores(self, batch_size: int, bucket: _Bucket, doubt: float = 0.0) -> list[float | None]:
+        """tokens_per_second at every width, from one pass over the step times (`doubt`: see _tokens_per_step)."""
+        tokens = _tokens_per_step(bucket, doubt)
         return [t / max(seconds, 1e-9) if seconds is not None else None
                 for t, seconds in zip(tokens, self._step_times(batch_size, bucket, tokens))]
 
@@ -371,10 +414,14 @@ class AdaptiveWidth:
             self._count_acceptance(bucket, width, drafted_and_accepted)
         if sum(m is not None for m in bucket.medians) < 2:
             return
-        scores = self._scores(batch_size, bucket)
+        # from width 0 the rates are the probes' few trials: judged a standard error lower
+        scores = self._scores(batch_size, bucket, DOUBT if bucket.width == 0 else 0.0)
         best = max(range(self.max_width + 1), key=lambda w: scores[w])
-        if scores[best] > scores[bucket.width] * (1 + self.margin):
+        margin = self.leave_zero_margin if bucket.width == 0 else self.margin
+        if scores[best] > scores[bucket.width] * (1 + margin):
             before, bucket.width = bucket.width, best
+            bucket.anchor = None  # the level holds until the new width's first LEVEL_STEPS steps anchor it
+            bucket.latest.clear()
             # the new width's window starts from the steps its median was read from (the older ones said nothing
             # since), so its median stays what won it the choice, and fills with its own steps from here
             kept = self._recent(bucket, best)
@@ -393,7 +440,14 @@ class AdaptiveWidth:
     def _take_time(self, batch_size: int, bucket: _Bucket, width: int, seconds: float) -> None:
         # scaled to the bucket's size: steps of 17 and of 32 sequences both time bucket 32, and a width probed while
         # fewer ran must not look cheaper for it
-        bucket.samples[width].append(seconds * bucket_of(batch_size) / batch_size)
+        seconds *= bucket_of(batch_size) / batch_size
+        if width == bucket.width:
+            bucket.latest.append(seconds)
+            if bucket.anchor is None and len(bucket.latest) == LEVEL_STEPS:
+                bucket.anchor = statistics.median(bucket.latest) / bucket.level
+            if bucket.anchor is not None and len(bucket.latest) == LEVEL_STEPS:
+                bucket.level = statistics.median(bucket.latest) / bucket.anchor
+        bucket.samples[width].append(seconds / bucket.level)
         bucket.taken_at[width].append(bucket.calls)
         self._update_median(bucket, width)
 
