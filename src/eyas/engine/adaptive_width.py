@@ -203,8 +203,7 @@ class AdaptiveWidth:
 
     def __post_init__(self) -> None:
         if self.max_width < 1 or self.acceptance_memory < 1 or min(self.margin, self.leave_zero_margin) < 0 \
-                or self.probe_every < 2 \
-                or self.window < 1 or not 1 <= self.min_samples <= self.window:
+                or self.probe_every < 2 or self.window < 1 or not 1 <= self.min_samples <= self.window:
             raise ValueError("AdaptiveWidth needs max_width >= 1, acceptance_memory >= 1, margins >= 0, "
                              "probe_every >= 2, window >= 1 and min_samples in 1..window")
 
@@ -369,7 +368,7 @@ class AdaptiveWidth:
                 for w, m in enumerate(self._relative_times(bucket))]
 
     def _relative_times(self, bucket: _Bucket) -> list[float | None]:
-        """Each width's step time at the level its width was chosen at: its median, or off the line (see above)."""
+        """Each width's step time divided by the bucket's level: its median, or off the line (module docstring)."""
         samples, medians = bucket.samples, list(bucket.medians)
         timed = [w for w, m in enumerate(medians) if m is not None and w > 0]
         if len(timed) < 2:  # no line through the drafting widths yet: width 0 may anchor it
