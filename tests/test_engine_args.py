@@ -133,3 +133,18 @@ def test_loading_a_tied_checkpoint_ties_again(tmp_path):
     hidden = torch.randn(3, target.config.hidden_size)
     with torch.no_grad():
         assert torch.equal(head.compute_logits(hidden), target.compute_logits(hidden))
+
+
+def test_the_default_cache_on_cpu_holds_as_many_positions_with_a_draft_as_without():
+    """The default budget is 0.25 GiB of the target's cache, the draft's beside it (so a drafting engine's lanes are
+    as long as a plain one's); a budget given holds both."""
+    from types import SimpleNamespace
+
+    from eyas.engine.llm import default_num_blocks
+
+    config, weight = SimpleNamespace(num_hidden_layers=8, latent_dim=576), torch.empty(1)
+    draft = SimpleNamespace(cache_entry_shape=lambda: (576,))
+    target_block = 8 * 576 * 4 * 16  # bytes of 16 positions of the target's float32 latents
+    plain = default_num_blocks(config, weight, 32, 2048, 16, None)
+    assert plain == default_num_blocks(config, weight, 32, 2048, 16, None, draft) == 2**28 // target_block
+    assert default_num_blocks(config, weight, 32, 2048, 16, 0.25, draft) == 2**28 // (target_block * 9 // 8)
