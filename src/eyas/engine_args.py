@@ -53,7 +53,7 @@ class EngineArgs:
     device: str = "cpu"
     max_num_seqs: int = 16
     max_model_len: int | None = None  # None: the model's
-    kv_cache_memory: float | None = None  # GiB; None: 0.25 on CPU (+ a draft's cache), 90% of free accelerator memory
+    kv_cache_memory: float | None = None  # GiB; None: on CPU 0.25 plus a draft's cache; 90% of free accelerator memory
     threads: int | None = None  # None: the rule in eyas.threads
     enforce_eager: bool = False  # True: no compiled step (also when EYAS_ENFORCE_EAGER=1, or off CPU)
     # speculative decoding; speculative_method None: decided by speculative_config(). The settings it passes on to
@@ -94,8 +94,8 @@ class EngineArgs:
             _flag(g, "--max-model-len", defaults, type=int, help="context length (default: the model's)")
         if "--kv-cache-memory" not in without:
             _flag(g, "--kv-cache-memory", defaults, type=float, metavar="GIB", help="KV cache budget in GiB "
-                  "(default: 0.25 on CPU, a draft's cache beside it, 90%% of free accelerator memory); requests "
-                  "beyond it wait or are preempted")
+                  "(default: on CPU 0.25 plus a draft's cache; 90%% of free accelerator memory); requests beyond it "
+                  "wait or are preempted")
         if "--dtype" not in without:
             _flag(g, "--dtype", defaults, help="auto (bfloat16 on GPU, and on CPUs with AMX for a bfloat16 "
                   "checkpoint unless --enforce-eager; else float32), float32, bfloat16")
