@@ -442,10 +442,11 @@ class AdaptiveWidth:
         seconds *= bucket_of(batch_size) / batch_size
         if width == bucket.width:
             bucket.latest.append(seconds)
-            if bucket.anchor is None and len(bucket.latest) == LEVEL_STEPS:
-                bucket.anchor = statistics.median(bucket.latest) / bucket.level
-            if bucket.anchor is not None and len(bucket.latest) == LEVEL_STEPS:
-                bucket.level = statistics.median(bucket.latest) / bucket.anchor
+            if len(bucket.latest) == LEVEL_STEPS:
+                now = statistics.median(bucket.latest)
+                if bucket.anchor is None:  # the width's first LEVEL_STEPS steps: the level holds, from here it moves
+                    bucket.anchor = now / bucket.level
+                bucket.level = now / bucket.anchor
         bucket.samples[width].append(seconds / bucket.level)
         bucket.taken_at[width].append(bucket.calls)
         self._update_median(bucket, width)
