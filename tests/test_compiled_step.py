@@ -1,6 +1,6 @@
 """The compiled step (eyas.engine.compiled_step) computes what the eager step computes: greedy output token for token,
 plain and speculative (EAGLE-3 drafts and the MTP layer compiled too), each kernel checked against its eager layer,
-kernels kept on disk and loaded back, and no tensor frozen into a kernel that every layer shares."""
+each layer's kernel its own weights frozen in, kernels kept on disk and loaded back."""
 
 import argparse
 import zipfile
@@ -63,7 +63,7 @@ def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
     eager, _ = run(target, compiled=False)
     plain, _ = run(target, compiled=True)
     assert plain == eager
-    assert kernel_calls.count("first") > 20  # the compiled kernels ran the decode steps
+    assert kernel_calls.count("first-layer0") > 20  # the compiled kernels ran the decode steps
     for spec in (dict(speculative_method="eagle", draft_model=drafts["mla"], num_speculative_tokens=3),
                  dict(speculative_method="eagle", draft_model=drafts["mha"], num_speculative_tokens=2),
                  dict(speculative_method="mtp", num_speculative_tokens=2)):
@@ -71,7 +71,7 @@ def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
         tokens, outs = run(target, compiled=True, **spec)
         assert tokens == eager, spec
         assert sum(o.num_drafted for o in outs) > 0
-        assert kernel_calls.count("first") > 5
+        assert kernel_calls.count("first-layer0") > 5
         drafted = {name for name in kernel_calls if name.startswith(("draft-", "mtp-"))}
         arch = spec["draft_model"].name if "draft_model" in spec else None
         # the MTP layer's MoE has a one-row form, as the target's does (the last sequence drafts alone)
@@ -80,30 +80,30 @@ def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
 
 
 def test_each_kernel_computes_its_own_layer(models):
+    """Float32 kernels hold their layer's weights frozen in, as bfloat16 ones do: layers 1 and 2 (both MoE, then
+    attention inputs) run kernels of their own, and layer 1's computes layer 1, not layer 2."""
     llm = LLM(models[0], compiled_step=True)
     compiled = llm.runner.compiled
     layers = llm.model.model.layers
-    # the same kernel runs layers 1 and 2 (both MoE, then attention inputs); each with its own layer's weights
-    _, steps, _ = compiled.forms[False]  # the forms for more than one row
-    (kernel, weights_1), (_, weights_2) = steps[1], steps[2]
-    assert steps[1][0] is steps[2][0]
+    assert not compiled.every_step  # float32 prompt chunks run eager
+    kernel_1, kernel_2 = compiled.steps[1], compiled.steps[2]
+    assert kernel_1 is not kernel_2
     rows = 3
     h = torch.randn(rows, llm.model.config.hidden_size)
     out = torch.randn(rows, llm.model.config.num_attention_heads, llm.model.config.kv_lora_rank)
     cos, sin = llm.model.model.rotary(torch.arange(rows))
     step_2 = compiled_step._step_fn(layers[2], layers[3])
-    compiled_step._check_against_eager("layer 2", kernel, weights_2, step_2, (h, out, cos, sin))
+    compiled_step._check_against_eager("layer 2", kernel_2, step_2, (h, out, cos, sin))
     with pytest.raises(RuntimeError, match="for layer 2 differs from the eager layer"):
-        compiled_step._check_against_eager("layer 2", kernel, weights_1, step_2, (h, out, cos, sin))
+        compiled_step._check_against_eager("layer 2", kernel_1, step_2, (h, out, cos, sin))
 
 
 def test_kernels_are_loaded_from_disk_the_second_time(models, monkeypatch):
     model = LLM(models[0], compiled_step=True).model  # compiled here or by an earlier test: on disk now
     cached = sorted(compiled_step.cache_dir().glob("*.pt2"))
-    # first, step-mlp, step-moe, last-moe, the one-row forms of the last two, and each draft's two (when the first
-    # test ran before)
-    assert {p.name.rsplit("-", 1)[0] for p in cached} >= {"first", "step-mlp", "step-moe", "last-moe",
-                                                         "step-moe-1row", "last-moe-1row"}
+    # a kernel a layer (its weights frozen in), and each draft's (when the first test ran before)
+    assert {p.name.rsplit("-", 1)[0] for p in cached} >= {"first-layer0", "step-mlp-layer0", "step-moe-layer1",
+                                                         "step-moe-layer2", "last-moe-layer3"}
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
@@ -154,20 +154,19 @@ def test_bfloat16_greedy_output_is_one_alone_batched_preempted_and_speculative(m
     assert alone.runner.cache.tensors.dtype == alone.model.lm_head.weight.dtype == torch.bfloat16
     moe_layers = alone.model.model.layers[alone.model.config.first_k_dense_replace:alone.model.config.num_hidden_layers]
     assert moe_layers and all(layer.mlp.all_gate_up is not None for layer in moe_layers)  # MoE.pack_all's linears
-    first, steps, last = alone.runner.compiled.forms[False]
-    assert alone.runner.compiled.forms[True] == (first, steps, last)  # one kernel a layer, for every row count
+    compiled = alone.runner.compiled
+    first, steps, last = compiled.first, compiled.steps, compiled.last
     config, model = alone.model.config, alone.model.model
     rows = 7
     cos, sin = (t.to(torch.bfloat16) for t in model.rotary(torch.arange(rows)))
     h = torch.randn(rows, config.hidden_size, dtype=torch.bfloat16)
     out = torch.randn(rows, config.num_attention_heads, config.kv_lora_rank, dtype=torch.bfloat16)
     calls = [(first, (h, cos, sin)), *[(step, (h, out, cos, sin)) for step in steps], (last, (h, out))]
-    assert len({kernel.name for (kernel, _), _ in calls}) == len(calls)  # a kernel of its own for each call
-    for (kernel, weights), args in calls:
-        assert weights == []  # the layer's weights are in the kernel
-        together = kernel(weights, *args)
+    assert len({kernel.name for kernel, _ in calls}) == len(calls)  # a kernel of its own for each call
+    for kernel, args in calls:
+        together = kernel(*args)
         for r in range(rows):
-            one = kernel(weights, *(x[r:r + 1] for x in args))
+            one = kernel(*(x[r:r + 1] for x in args))
             assert all(torch.equal(a[r:r + 1], b) for a, b in zip(together, one)), (kernel.name, r)
     assert run(target, True, dtype="bfloat16")[0] == expected
     small = LLM(target, max_num_seqs=3, block_size=4, num_blocks=16, max_num_batched_tokens=16, dtype="bfloat16",
@@ -195,7 +194,7 @@ def test_a_bfloat16_draft_runs_its_kernels_over_prompt_positions_too(models, mon
     seen = []
     call = compiled_step.Kernel.__call__
     monkeypatch.setattr(compiled_step.Kernel, "__call__",
-                        lambda self, weights, *a: seen.append((self.name, a[0].shape[0])) or call(self, weights, *a))
+                        lambda self, *a: seen.append((self.name, a[0].shape[0])) or call(self, *a))
     for spec in (dict(speculative_method="eagle", draft_model=drafts["mla"], num_speculative_tokens=3),
                  dict(speculative_method="eagle", draft_model=drafts["mha"], num_speculative_tokens=3),
                  dict(speculative_method="mtp", num_speculative_tokens=2)):
@@ -214,7 +213,7 @@ def test_a_kernel_over_more_rows_than_it_takes_runs_in_pieces_none_under_its_few
     piece of one."""
     rows = []
 
-    def kernel(weights, x):
+    def kernel(x):
         rows.append(x.shape[0])
         return [x * 2]
 
@@ -222,12 +221,12 @@ def test_a_kernel_over_more_rows_than_it_takes_runs_in_pieces_none_under_its_few
     for least, expected in ((1, [compiled_step.MAX_ROWS, compiled_step.MAX_ROWS, 1]),
                             (2, [compiled_step.MAX_ROWS, compiled_step.MAX_ROWS - 1, 2])):
         rows.clear()
-        assert torch.equal(compiled_step._in_pieces((kernel, []), x, least_rows=least)[0], x * 2)
+        assert torch.equal(compiled_step._in_pieces(kernel, x, least_rows=least)[0], x * 2)
         assert rows == expected
 
 
-def test_frozen_kernels_are_called_at_every_row_count_when_loaded(models, monkeypatch):
-    """A frozen kernel's GEMMs set themselves up on the first call at each row count: that is paid at load, not by
+def test_kernels_are_called_at_every_row_count_when_loaded(models, monkeypatch):
+    """A kernel's GEMMs set themselves up on the first call at each row count: that is paid at load, not by
     a server's first prompts of each length (nor in the adaptive width's timings)."""
     from collections import defaultdict
 
@@ -235,19 +234,14 @@ def test_frozen_kernels_are_called_at_every_row_count_when_loaded(models, monkey
     seen = defaultdict(set)
     call = compiled_step.Kernel.__call__
     monkeypatch.setattr(compiled_step.Kernel, "__call__",
-                        lambda self, weights, *a: seen[self.name].add(a[0].shape[0]) or call(self, weights, *a))
-    LLM(target, max_num_seqs=1, dtype="bfloat16", compiled_step=True, speculative_method="eagle",
-        draft_model=drafts["mla"], num_speculative_tokens=3)
-    assert any(name.startswith("draft-") for name in seen) and len(seen) > 3
+                        lambda self, *a: seen[self.name].add(a[0].shape[0]) or call(self, *a))
     every = set(range(1, compiled_step.MAX_ROWS + 1))
-    assert all(rows >= every for rows in seen.values()), {name: len(rows) for name, rows in seen.items()}
-
-
-def test_a_tensor_the_modules_do_not_hold_is_refused():
-    norm = torch.nn.LayerNorm(8)
-    outside = torch.ones(8)
-    with pytest.raises(RuntimeError, match="reads tensors it was not given"):
-        compile_kernel("t", [norm], lambda h: norm(h) + outside, (torch.zeros(2, 8),), (1, 4))
+    for dtype in ("float32", "bfloat16"):
+        seen.clear()
+        LLM(target, max_num_seqs=1, dtype=dtype, compiled_step=True, speculative_method="eagle",
+            draft_model=drafts["mla"], num_speculative_tokens=3)
+        assert any(name.startswith("draft-") for name in seen) and len(seen) > 3
+        assert all(rows >= every for rows in seen.values()), (dtype, {name: len(r) for name, r in seen.items()})
 
 
 def test_enforce_eager_and_where_the_step_compiles(monkeypatch):
@@ -299,7 +293,7 @@ def test_a_kernel_compiled_at_one_thread_count_is_not_run_at_another():
             kernel = compile_kernel("t", [scale], lambda h: torch.relu(h * scale.weight[:, 0]),
                                     (torch.zeros(2, 4096),), (1, 64))
             h = torch.randn(3, 4096)
-            assert torch.equal(kernel(kernel.weights([scale]), h)[0], torch.relu(h * scale.weight[:, 0]))
+            assert torch.equal(kernel(h)[0], torch.relu(h * scale.weight[:, 0]))
             packages[threads] = set(compiled_step.cache_dir().glob("t-*.pt2")) - set().union(*packages.values())
     finally:
         torch.set_num_threads(before)

@@ -103,9 +103,9 @@ class EngineArgs:
             _flag(g, "--device", defaults, help="cpu or cuda")
         _flag(g, "--threads", defaults, type=int, help=THREADS_HELP)
         _flag(g, "--enforce-eager", defaults, action="store_true", help="run every step op by op; by default, on "
-              "CPU, decode and verify steps run the target as kernels compiled on the first use of a model shape "
-              "(about a minute for the bundled target and draft; kept in $EYAS_CACHE_DIR/compiled, default "
-              "~/.cache/eyas/compiled) and loaded in about a second after. EYAS_ENFORCE_EAGER=1 sets this flag")
+              "CPU, decode and verify steps run the target as kernels compiled on the first use of a model's weights "
+              "(two to three minutes for the bundled target and draft; kept in $EYAS_CACHE_DIR/compiled, default "
+              "~/.cache/eyas/compiled) and loaded in a few seconds after. EYAS_ENFORCE_EAGER=1 sets this flag")
         if speculative:
             _add_speculative_args(parser, defaults)
 

@@ -8,19 +8,22 @@ prompt chunks, which are few and long, except in bfloat16 (below).
 
     first      layer 0's attention inputs                          (h, cos, sin) -> (q, latent)
     step       layer i after its attention, then layer i+1's       (h, out, cos, sin) -> (h, q, latent)
-               attention inputs; one kernel per kind of layer i (dense MLP, MoE)
+               attention inputs
     last       the last layer after its attention, the final norm  (h, out) -> (normed h, h)
 
-A kernel takes the weights it reads as inputs, so every layer of a kind runs the same compiled code. Each is
-compiled for any row count from 1 to MAX_ROWS, once per model shape, dtype, torch version and thread count, and
-kept on disk (`cache_dir()`); a later start loads it in about a second. Steps with a prompt chunk or more than
-MAX_ROWS rows run eager.
+On CPU each layer has one kernel of its own with its weights frozen in as constants (`_Frozen`), compiled for any
+row count from 1 to MAX_ROWS with the compiler's GEMM templates tried against ATen's (`max_autotune`): constant
+weights are packed once for the CPU's instructions, where weights passed to one kernel shared by every layer of a
+kind were repacked by CPU BLAS on every call. In bfloat16 (AMX, AVX512-BF16) those ran about 2x slower than float32;
+in float32, on an AVX2 CPU, the bundled target's kernels took 1.22 ms for 4 verify rows against 1.76 (one thread,
+weights in cache), and decoding ran 1.08-1.13x as fast at 1 and 4 sequences, 0.94-0.99x at 16 and 32 (see
+docs/serving.md). A kernel is compiled once per set of weights, torch version and thread count and kept on disk
+(`cache_dir()`); a later start loads it in a few seconds.
 
-In bfloat16 each layer has one kernel of its own with its weights frozen in as constants (`frozen`): the compiler's
-GEMM templates then pack them once for the CPU's bfloat16 instructions (AMX, AVX512-BF16), where weights passed as
-inputs are repacked every call and run about 2x slower than float32; it is compiled per set of weights. Every step
-then runs the kernels, prompt chunks too (`every_step`), and each kernel rounds a row alike whatever rows run beside
-it, so a row's bits never depend on the batch.
+In bfloat16 every step runs the kernels, prompt chunks too (`every_step`), and each kernel rounds a row alike
+whatever rows run beside it, so a row's bits never depend on the batch. In float32 prompt chunks and steps of more
+than MAX_ROWS rows run eager: CPU BLAS multiplies a chunk's rows faster than the kernels' GEMMs (16 sequences
+decoding beside arriving prompts ran 0.90x as fast with every step in the kernels).
 
 Calls go straight to the compiled runner (`loader.run`), which costs a few microseconds a call where a
 `torch.compile`d function's guards and wrapper cost about 30.
@@ -56,8 +59,8 @@ from eyas.paths import compiled_dir as cache_dir
 # the most rows a compiled step takes: 32 sequences verifying 3 drafts each (a compiled MoE layer runs each row's
 # chosen experts, 1.7x faster than all experts over all rows from 16 to 160 rows)
 MAX_ROWS = 128
-# the packed forms a compiler does not need (it fuses the plain form itself); set to None while a kernel is traced
-TRACE_WITHOUT = ("weight_pair",)
+# packed forms computed from other tensors, which no kernel reads (traced code takes the plain form and fuses it)
+DERIVED = ("weight_pair",)
 
 
 def module_tensors(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -73,44 +76,9 @@ def module_tensors(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str, t
                 if t is not None:
                     found.append((module, name, t))
             for name, t in vars(module).items():
-                if isinstance(t, torch.Tensor) and name not in TRACE_WITHOUT:
+                if isinstance(t, torch.Tensor) and name not in DERIVED:
                     found.append((module, name, t))
     return found
-
-
-@contextmanager
-def _bound(entries: list[tuple[nn.Module, str, torch.Tensor]], tensors: Sequence[torch.Tensor]):
-    """The modules read `tensors` in place of their own while tracing; their own are put back after."""
-    saved = []
-    for (module, name, _), t in zip(entries, tensors):
-        where = (module._parameters if name in module._parameters
-                 else module._buffers if name in module._buffers else vars(module))
-        saved.append((where, name, where[name]))
-        where[name] = t
-    for module in {id(m): m for m, _, _ in entries}.values():
-        for name in TRACE_WITHOUT:
-            if vars(module).get(name) is not None:
-                saved.append((vars(module), name, vars(module)[name]))
-                vars(module)[name] = None
-    try:
-        yield
-    finally:
-        for where, name, t in reversed(saved):
-            where[name] = t
-
-
-class _Traced(nn.Module):
-    """`fn(*args)` with the tensors of `entries` as the first inputs, for torch.export."""
-
-    def __init__(self, entries: list[tuple[nn.Module, str, torch.Tensor]], fn: Callable) -> None:
-        super().__init__()
-        self.entries = entries  # (module, name, tensor), as module_tensors lists them
-        self.fn = fn
-
-    def forward(self, *inputs: torch.Tensor):
-        n = len(self.entries)
-        with _bound(self.entries, inputs[:n]):
-            return self.fn(*inputs[n:])
 
 
 class _Frozen(nn.Module):
@@ -125,9 +93,11 @@ class _Frozen(nn.Module):
         return self.fn(*inputs)
 
 
-def frozen(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether kernels for weights of this dtype freeze them in (see the module docstring)."""
-    return dtype == torch.bfloat16 and device.type == "cpu"
+def every_step(dtype: torch.dtype) -> bool:
+    """Whether every step runs the kernels, prompt chunks too: bfloat16 ones, whose rounding of a row must not depend
+    on the path it takes (see the module docstring). Float32 prompt chunks run eager, where CPU BLAS is faster than
+    the kernels' GEMMs at their 128 rows a call."""
+    return dtype == torch.bfloat16
 
 
 def _weights_digest(modules: Sequence[nn.Module]) -> str:
@@ -139,27 +109,15 @@ def _weights_digest(modules: Sequence[nn.Module]) -> str:
 
 
 class Kernel:
-    """One compiled kernel: called with the tensors of the modules it was built for, then its arguments. The
-    compiled code reads each input with the strides it was traced with and checks none of them: weights are
-    checked once, when a layer's are bound (`weights`), and arguments are made contiguous on every call."""
+    """One compiled kernel, its layer's weights inside: called with its arguments. The compiled code reads each
+    input with the strides it was traced with and checks none of them, so arguments are made contiguous."""
 
-    def __init__(self, name: str, loader, used: list[int], layout: list[tuple[list[int], list[int], str]]) -> None:
+    def __init__(self, name: str, loader) -> None:
         self.name = name
         self.loader = loader
-        self.used = used  # which of the modules' tensors the kernel reads, in module_tensors order
-        self.layout = layout  # (shape, stride, dtype) of each tensor the kernel reads
 
-    def weights(self, modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-        tensors = [t for _, _, t in module_tensors(modules)]
-        chosen = [tensors[i] for i in self.used]
-        for t, (shape, stride, dtype) in zip(chosen, self.layout):
-            if list(t.shape) != shape or list(t.stride()) != stride or str(t.dtype) != dtype:
-                raise RuntimeError(f"a layer's weight {tuple(t.shape)}, stride {t.stride()}, {t.dtype} is not laid "
-                                   f"out as the kernel it would run reads it: {shape}, stride {stride}, {dtype}")
-        return chosen
-
-    def __call__(self, weights: list[torch.Tensor], *args: torch.Tensor) -> list[torch.Tensor]:
-        return self.loader.run([*weights, *(a.contiguous() for a in args)])
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        return self.loader.run([a.contiguous() for a in args])
 
 
 @functools.cache
@@ -172,46 +130,37 @@ def _source_digest() -> str:
 
 
 def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: Sequence[torch.Tensor],
-                   rows: tuple[int, int], progress: Callable[[], None] | None = None, settings: str = "",
-                   freeze: bool = False) -> Kernel:
-    """Export `fn(*args)`, reading the tensors of `modules`, for args whose dim 0 (rows) is anything in
-    rows = (least, most), or exactly their own when least == most; compile it with AOTInductor, or load it from the
-    disk cache when compiled before. `settings` (config_settings) is what else the code depends on: two models with
-    the same tensors but another MoE routing or another draft switch compile apart. `progress` is called before
-    compiling (not before loading). `freeze`: the modules' tensors are the kernel's constants, not its inputs."""
+                   rows: tuple[int, int], progress: Callable[[], None] | None = None, settings: str = "") -> Kernel:
+    """Export `fn(*args)`, the tensors of `modules` frozen in as constants, for args whose dim 0 (rows) is anything
+    in rows = (least, most), or exactly their own when least == most; compile it with AOTInductor, or load it from
+    the disk cache when compiled before for these weights. `settings` (config_settings) is what else the code depends
+    on: two models with the same tensors but another MoE routing or another draft switch compile apart. `progress`
+    is called before compiling (not before loading)."""
     if len({id(a) for a in args}) < len(args):  # export would make them one input of the kernel
         raise ValueError(f"compiling {name}: one example tensor is passed for two arguments")
-    traced = _Frozen(modules, fn) if freeze else _Traced(module_tensors(modules), fn)
-    tensors = [] if freeze else [t for _, _, t in traced.entries]
     least, most = rows
     if not least <= args[0].shape[0] <= most or (least < most and args[0].shape[0] < 2):
         raise ValueError(f"compiling {name}: example args of {args[0].shape[0]} rows for kernels of {rows} rows "
                          "(a dynamic kernel is traced at 2 rows or more)")
     dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
-    dynamic = [None] * len(tensors) + [{0: dim} if dim is not None else None for _ in args]
     # the compiler writes the thread count torch runs on into the code (at one thread, no parallel region at all): a
     # kernel compiled for one thread would run on one whatever --threads a later engine is given
     key = json.dumps({
         "name": name, "torch": torch.__version__, "source": _source_digest(), "rows": rows, "settings": settings,
-        "threads": torch.get_num_threads(),
-        "tensors": [(n, list(t.shape), list(t.stride()), str(t.dtype)) for (_, n, t) in module_tensors(modules)],
-        "frozen": _weights_digest(modules) if freeze else None,
+        "threads": torch.get_num_threads(), "weights": _weights_digest(modules),
         "args": [(list(a.shape[1:]), str(a.dtype)) for a in args]}, sort_keys=True)
     path = cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
-    used_path = path.with_suffix(".json")
-    if not (path.is_file() and used_path.is_file()):
+    if not path.is_file():
         if progress is not None:
             progress()
         with warnings.catch_warnings():  # torch's notices about its own internals, nothing the user can act on
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            _compile(name, traced, tensors, args, dynamic, path, used_path, freeze)
-    used = json.loads(used_path.read_text())
-    layout = [(list(tensors[i].shape), list(tensors[i].stride()), str(tensors[i].dtype)) for i in used]
+            _compile(_Frozen(modules, fn), args, [{0: dim} if dim is not None else None for _ in args], path)
     with warnings.catch_warnings(), _unpacked_apart():
         warnings.simplefilter("ignore", FutureWarning)
         loader = torch._inductor.aoti_load_package(str(path)).loader
-    return Kernel(name, loader, used, layout)
+    return Kernel(name, loader)
 
 
 @contextmanager
@@ -233,33 +182,19 @@ def _unpacked_apart():
         shutil.rmtree(unpacked, ignore_errors=True)
 
 
-def _compile(name: str, traced: _Traced | _Frozen, tensors: list[torch.Tensor], args: Sequence[torch.Tensor],
-             dynamic: list, path: Path, used_path: Path, freeze: bool = False) -> None:
-    """Export and compile `traced` into the package at `path`, and which of `tensors` it reads into `used_path`."""
+def _compile(frozen: _Frozen, args: Sequence[torch.Tensor], dynamic: list, path: Path) -> None:
+    """Export and compile `frozen` into the package at `path`."""
     with torch.inference_mode(False), torch.no_grad():
-        program = torch.export.export(traced, (*tensors, *args), dynamic_shapes=[tuple(dynamic)], strict=False)
-    baked = [spec.target for spec in program.graph_signature.input_specs if spec.kind.name != "USER_INPUT"]
-    if baked and not freeze:  # a tensor the modules do not hold would be frozen into a kernel every layer shares
-        raise RuntimeError(f"compiling {name}: the traced code reads tensors it was not given: {baked}")
-    placeholders = [node for node in program.graph.nodes if node.op == "placeholder"]
-    used = [i for i, node in enumerate(placeholders[:len(tensors)]) if node.users]
-    if len(used) < len(tensors):  # export again with only what the kernel reads: fewer inputs a call
-        pruned = _Traced([traced.entries[i] for i in used], traced.fn)
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(pruned, (*[tensors[i] for i in used], *args),
-                                          dynamic_shapes=[(*[None] * len(used), *dynamic[len(tensors):])],
-                                          strict=False)
+        program = torch.export.export(frozen, tuple(args), dynamic_shapes=[tuple(dynamic)], strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # complete files only, even if interrupted
-        # frozen: constant weights, and GEMM templates (with their AMX or AVX512-BF16 micro-kernels) tried against
-        # ATen's at compile time, each a row-wise kernel for any row count
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # a complete file only, even if interrupted
+        # constant weights, and GEMM templates (with their AVX2, AVX-512, AMX or AVX512-BF16 micro-kernels) tried
+        # against ATen's at compile time, each a row-wise kernel for any row count
         configs = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                   "autotune_num_choices_displayed": 0} if freeze else {}
+                   "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
         staged = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / path.name),
                                                           inductor_configs=configs)
-        Path(tmp, used_path.name).write_text(json.dumps(used))
         os.replace(staged, path)
-        os.replace(Path(tmp, used_path.name), used_path)
 
 
 # config fields no kernel reads (the embedding, the head and where the file was are outside every kernel)
@@ -286,38 +221,25 @@ class CompiledTarget:
         config = model.config
         self.num_layers = config.num_hidden_layers
         self.attentions = [layer.self_attn for layer in model.layers[:self.num_layers]]
-        weight = model.embed_tokens.weight
-        freeze = frozen(weight.dtype, weight.device)
-        if freeze:
-            for layer in model.layers[:self.num_layers]:
-                if isinstance(layer.mlp, MoE):
-                    layer.mlp.pack_all()
-        # frozen, one kernel a layer serves one row too: the one-row forms are the others
-        both = {one_row: _target_calls(model, one_row, freeze) for one_row in ((False,) if freeze else (False, True))}
-        names = list(dict.fromkeys(call[0] for c in both.values() for call in c))
+        for layer in model.layers[:self.num_layers]:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.pack_all()
+        calls = _target_calls(model)
         start = time.perf_counter()
-        kernels: dict[str, Kernel] = {}
-        once_for = "these weights" if freeze else "this model's shape"
-        for name, rows, modules, fn, args in [call for c in both.values() for call in c]:
-            if name not in kernels:  # each kernel traced through the first call that runs it
-                line = (f"compiling the decode step: kernel {len(kernels) + 1}/{len(names)} ({name}), once for "
-                        f"{once_for} (kept in {cache_dir()})")
-                told = (lambda line=line: progress(line)) if progress is not None else None
-                kernels[name] = compile_kernel(name, modules, fn, args, rows, told, config_settings(config), freeze)
+        kernels = []
+        for n, (name, modules, fn, args) in enumerate(calls):
+            line = (f"compiling the decode step: kernel {n + 1}/{len(calls)} ({name}), once for these weights "
+                    f"(kept in {cache_dir()})")
+            told = (lambda line=line: progress(line)) if progress is not None else None
+            kernel = compile_kernel(name, modules, fn, args, (1, MAX_ROWS), told, config_settings(config))
+            _check_against_eager(name, kernel, fn, args)
+            _warm_every_row_count(kernel, args, (1, MAX_ROWS))
+            kernels.append(kernel)
         self.seconds = time.perf_counter() - start
-        # per row form, per call: its kernel and the tensors it passes (its own layer's)
-        self.forms = {}
-        for one_row, found in both.items():
-            bound = [(kernels[name], kernels[name].weights(modules)) for name, _, modules, _, _ in found]
-            for layer, ((kernel, weights), (name, rows, _, fn, args)) in enumerate(zip(bound, found)):
-                _check_against_eager(f"layer {layer} ({name})", kernel, weights, fn, args, rows)
-                if freeze:
-                    _warm_every_row_count(kernel, weights, args, rows)
-            self.forms[one_row] = (bound[0], bound[1:-1], bound[-1])
-        self.forms.setdefault(True, self.forms[False])
-        # frozen (bfloat16), every step runs the kernels, prompt chunks too, MAX_ROWS rows a call: a row's bits then
-        # never depend on which path ran it or beside which rows, which greedy decoding in bfloat16 needs
-        self.every_step = freeze
+        self.first, self.steps, self.last = kernels[0], kernels[1:-1], kernels[-1]
+        # in bfloat16 every step runs the kernels, prompt chunks too, MAX_ROWS rows a call: a row's bits then never
+        # depend on which path ran it or beside which rows, which greedy decoding in bfloat16 needs
+        self.every_step = every_step(model.embed_tokens.weight.dtype)
 
     @staticmethod
     def takes(attn: AttentionMetadata) -> bool:
@@ -335,63 +257,46 @@ class CompiledTarget:
         cos, sin = (t.to(model.embed_tokens.weight.dtype) for t in model.rotary(attn.positions))
         h = model.embed_tokens(input_ids)
         captured = {0: h} if 0 in aux_hidden_state_ids else {}
-        first, steps, last = self.forms[attn.num_tokens == 1]
-        q, latent = _in_pieces(first, h, cos, sin)
+        q, latent = _in_pieces(self.first, h, cos, sin)
         for i in range(self.num_layers):
             out = self.attentions[i].cached_attention(q, latent, attn, kv_caches[i])
             if i + 1 < self.num_layers:
-                h, q, latent = _in_pieces(steps[i], h, out, cos, sin)
+                h, q, latent = _in_pieces(self.steps[i], h, out, cos, sin)
             else:
-                normed, h = _in_pieces(last, h, out)
+                normed, h = _in_pieces(self.last, h, out)
             if i + 1 in aux_hidden_state_ids:
                 captured[i + 1] = h
         return normed, [captured[i] for i in aux_hidden_state_ids]
 
 
-def _in_pieces(call: tuple[Kernel, list[torch.Tensor]], *args: torch.Tensor, least_rows: int = 1
-               ) -> list[torch.Tensor]:
+def _in_pieces(kernel: Kernel, *args: torch.Tensor, least_rows: int = 1) -> list[torch.Tensor]:
     """A kernel over rows of any count: MAX_ROWS at a time (each row's outputs are its own), no piece under
     `least_rows` (the fewest the kernel takes)."""
-    kernel, weights = call
     rows = args[0].shape[0]
     if rows <= MAX_ROWS:
-        return kernel(weights, *args)
+        return kernel(*args)
     bounds = [*range(0, rows, MAX_ROWS), rows]
     bounds[-2] = min(bounds[-2], rows - least_rows)
-    pieces = [kernel(weights, *(a[start:end] for a in args)) for start, end in zip(bounds, bounds[1:])]
+    pieces = [kernel(*(a[start:end] for a in args)) for start, end in zip(bounds, bounds[1:])]
     return [torch.cat(outputs) for outputs in zip(*pieces)]
 
 
-def _target_calls(model: DeepseekV3Model, one_row: bool, freeze: bool) -> list[tuple]:
-    """Each call of a step: (kernel name, rows it takes, the modules whose tensors it reads, the function over them,
-    example args). A kernel with MoE has a one-row form: a row's routed experts are read from memory, not all of them
-    (at batch 1 a step streams every weight it reads). Frozen, each layer has one kernel for every row count."""
+def _target_calls(model: DeepseekV3Model) -> list[tuple]:
+    """Each call of a step: (kernel name, the modules whose tensors it reads, the function over them, example args):
+    a kernel a layer, for every row count."""
     config = model.config
     layers = list(model.layers[:config.num_hidden_layers])
     kinds = [type(layer.mlp).__name__.lower() for layer in layers]  # "mlp" (dense) or "moe"
     weight, attn = model.embed_tokens.weight, layers[0].self_attn
     dtype, device = weight.dtype, weight.device
-
-    def rows(kind: str) -> tuple[int, int]:
-        if freeze:
-            return (1, MAX_ROWS)
-        return (1, 1) if kind == "moe" and one_row else (2 if kind == "moe" else 1, MAX_ROWS)
-
-    def name(base: str, kind: str, layer: int) -> str:
-        if freeze:
-            return f"{base}-layer{layer}"
-        return f"{base}-1row" if rows(kind) == (1, 1) else base
-
-    n = 1 if one_row and not freeze else 2
-    cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(n, device=device)))
-    h = torch.zeros(n, config.hidden_size, dtype=dtype, device=device)
-    out = torch.zeros(n, attn.num_heads, attn.kv_lora_rank, dtype=dtype, device=device)
-    found = [(name("first", "mlp", 0), rows("mlp"), _attention_parts(layers[0]), _first_fn(layers[0]),
-              (h, cos, sin))]
-    found += [(name(f"step-{kind}", kind, i), rows(kind), [*_after_parts(layers[i]), *_attention_parts(layers[i + 1])],
+    cos, sin = (t.to(dtype) for t in model.rotary(torch.arange(2, device=device)))
+    h = torch.zeros(2, config.hidden_size, dtype=dtype, device=device)
+    out = torch.zeros(2, attn.num_heads, attn.kv_lora_rank, dtype=dtype, device=device)
+    found = [("first-layer0", _attention_parts(layers[0]), _first_fn(layers[0]), (h, cos, sin))]
+    found += [(f"step-{kind}-layer{i}", [*_after_parts(layers[i]), *_attention_parts(layers[i + 1])],
                _step_fn(layers[i], layers[i + 1]), (h, out, cos, sin)) for i, kind in enumerate(kinds[:-1])]
-    found.append((name(f"last-{kinds[-1]}", kinds[-1], len(kinds) - 1), rows(kinds[-1]),
-                  [*_after_parts(layers[-1]), model.norm], _last_fn(layers[-1], model.norm), (h, out)))
+    found.append((f"last-{kinds[-1]}-layer{len(kinds) - 1}", [*_after_parts(layers[-1]), model.norm],
+                  _last_fn(layers[-1], model.norm), (h, out)))
     return found
 
 
@@ -419,8 +324,8 @@ class CompiledDraft(_CompiledSteps):
     (fc and its norms); the layer up to its cache write (embedding, rope, input norms, projections: queries and cache
     entries); and after its attention (output projection, residual, MLP and the carried state). The attention over
     the draft's cache runs eager between them. Steps it does not take (`CompiledTarget.takes`) run the draft eager,
-    except with frozen kernels (bfloat16), which run every step, a prompt's positions too, MAX_ROWS rows a call (as
-    the target's do): on the bundled draft 512 prompt positions took 12.0 ms against 16.7 eager, and the adaptive
+    except in bfloat16, where the kernels run every step, a prompt's positions too, MAX_ROWS rows a call (as the
+    target's do): on the bundled draft 512 prompt positions took 12.0 ms against 16.7 eager, and the adaptive
     width's estimate of the draft's cost per prompt position fell from 102-107 us to 20 (random prompts, 4
     sequences). Otherwise it is the draft (the engine's DraftHead)."""
 
@@ -428,8 +333,7 @@ class CompiledDraft(_CompiledSteps):
         self.draft = draft
         self.aux_hidden_state_ids = draft.aux_hidden_state_ids
         layer = draft.layers[0]
-        weight = draft.fc.weight
-        dtype, device = weight.dtype, weight.device
+        dtype, device = draft.fc.weight.dtype, draft.fc.weight.device
         rows, H = 2, draft.config.hidden_size
         # distinct tensors: export takes one tensor passed twice for one input
         hidden, residual = (torch.zeros(rows, H, dtype=dtype, device=device) for _ in range(2))
@@ -453,11 +357,10 @@ class CompiledDraft(_CompiledSteps):
                  (f"draft-{arch}-inputs", before, inputs, (token_ids, hidden, positions)),
                  (f"draft-{arch}-outputs", after, lambda residual, out: (draft.carried(layer.after_attention(
                      residual, out)),), (residual, out))]
-        self.every_step = frozen(dtype, device)
+        self.every_step = every_step(dtype)
         start = time.perf_counter()
         self.fuse, self.inputs, self.outputs = _draft_kernels("the draft", [(*call, (1, MAX_ROWS)) for call in calls],
-                                                              config_settings(draft.config), progress,
-                                                              self.every_step)
+                                                              config_settings(draft.config), progress)
         self.seconds = time.perf_counter() - start
 
     def combine_hidden_states(self, target_hidden: torch.Tensor, aux_hidden_states: list[torch.Tensor]
@@ -478,17 +381,15 @@ class CompiledDraft(_CompiledSteps):
 class CompiledMTP(_CompiledSteps):
     """The MTP layer as a draft whose steps over decode rows run as compiled kernels, as the target's layers do: its
     input fusion (the token's embedding and enorm, hnorm, eh_proj) with the layer up to its cache write (rope
-    inside), then the layer after its attention,
-    whose MoE has a one-row form that reads only the row's routed experts. The attention over the draft's cache runs
-    eager between them; steps it does not take (`CompiledTarget.takes`) run the layer eager, except with frozen kernels
-    (bfloat16), which run every step, as CompiledDraft's do."""
+    inside), then the layer after its attention, whose MoE has a one-row form that reads only the row's routed experts.
+    The attention over the draft's cache runs eager between them; steps it does not take (`CompiledTarget.takes`) run
+    the layer eager, except in bfloat16, where the kernels run every step, as CompiledDraft's do."""
 
     def __init__(self, draft: MTPDraft, progress: Callable[[str], None] | None = None) -> None:
         self.draft = draft
         self.aux_hidden_state_ids = draft.aux_hidden_state_ids
         layer = draft.layer
-        weight = layer.eh_proj.weight
-        dtype, device = weight.dtype, weight.device
+        dtype, device = layer.eh_proj.weight.dtype, layer.eh_proj.weight.device
         H = layer.eh_proj.weight.shape[0]
 
         def inputs(token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
@@ -511,11 +412,10 @@ class CompiledMTP(_CompiledSteps):
         calls = [("mtp-inputs", before, inputs, two[:3], (1, MAX_ROWS)),
                  ("mtp-outputs", after, outputs, two[3:], (2, MAX_ROWS)),
                  ("mtp-outputs-1row", after, outputs, one[3:], (1, 1))]
-        self.every_step = frozen(dtype, device)
+        self.every_step = every_step(dtype)
         start = time.perf_counter()
         self.inputs, self.outputs, self.outputs_one_row = _draft_kernels("the MTP layer", calls,
-                                                                         config_settings(draft.config), progress,
-                                                                         self.every_step)
+                                                                         config_settings(draft.config), progress)
         self.seconds = time.perf_counter() - start
 
     def __call__(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, attn: AttentionMetadata,
@@ -526,27 +426,23 @@ class CompiledMTP(_CompiledSteps):
         h, q, latent = _in_pieces(self.inputs, next_token_ids, hidden, attn.positions)
         out = layer.self_attn.cached_attention(q, latent, attn, cache)
         if attn.num_tokens == 1:
-            kernel, weights = self.outputs_one_row
-            return kernel(weights, h, out)[0]
+            return self.outputs_one_row(h, out)[0]
         return _in_pieces(self.outputs, h, out, least_rows=2)[0]
 
 
-def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None,
-                   freeze: bool = False) -> list[tuple[Kernel, list[torch.Tensor]]]:
-    """Each (name, modules, fn, example args, rows) of a draft's step compiled (or loaded), bound to its modules'
-    weights and checked against the eager function: (kernel, weights) per call."""
+def _draft_kernels(what: str, calls: list[tuple], settings: str, progress: Callable[[str], None] | None
+                   ) -> list[Kernel]:
+    """Each (name, modules, fn, example args, rows) of a draft's step compiled (or loaded), checked against the eager
+    function and called once at every row count it takes."""
     kernels = []
     for n, (name, modules, fn, args, rows) in enumerate(calls):
-        line = (f"compiling {what}'s step: kernel {n + 1}/{len(calls)} ({name}), once for "
-                f"{'its weights' if freeze else 'its shape'} (kept in {cache_dir()})")
+        line = (f"compiling {what}'s step: kernel {n + 1}/{len(calls)} ({name}), once for its weights "
+                f"(kept in {cache_dir()})")
         kernel = compile_kernel(name, modules, fn, args, rows,
-                                (lambda line=line: progress(line)) if progress is not None else None, settings,
-                                freeze)
-        weights = kernel.weights(modules)
-        _check_against_eager(f"{what} ({name})", kernel, weights, fn, args, rows)
-        if freeze:
-            _warm_every_row_count(kernel, weights, args, rows)
-        kernels.append((kernel, weights))
+                                (lambda line=line: progress(line)) if progress is not None else None, settings)
+        _check_against_eager(f"{what} ({name})", kernel, fn, args, rows)
+        _warm_every_row_count(kernel, args, rows)
+        kernels.append(kernel)
     return kernels
 
 
@@ -556,21 +452,20 @@ def _value_width(layer) -> int:
     return a.kv_lora_rank if isinstance(a, MLAttention) else a.head_dim
 
 
-def _warm_every_row_count(kernel: Kernel, weights: list[torch.Tensor], args: Sequence[torch.Tensor],
-                          rows: tuple[int, int]) -> None:
-    """Call a frozen kernel once at every row count it takes. Its GEMMs set themselves up for each new row count on
+def _warm_every_row_count(kernel: Kernel, args: Sequence[torch.Tensor], rows: tuple[int, int]) -> None:
+    """Call a kernel once at every row count it takes. Its GEMMs set themselves up for each new row count on
     their first call (measured on the bundled target's kernels in bfloat16: 0.8 ms against 0.2 after, the target's
     0.6-1.4 against 0.4-0.6): without this a server's first prompts of each length paid it, and so did the adaptive
     width's timings of the draft's work on prompts. All row counts of the bundled target and draft: about a second."""
     with torch.inference_mode():
         for n in range(rows[0], rows[1] + 1):
-            kernel(weights, *[torch.zeros(n, *a.shape[1:], dtype=a.dtype, device=a.device) for a in args])
+            kernel(*[torch.zeros(n, *a.shape[1:], dtype=a.dtype, device=a.device) for a in args])
 
 
-def _check_against_eager(what: str, kernel: Kernel, weights: list[torch.Tensor], fn: Callable,
-                         args: Sequence[torch.Tensor], rows: tuple[int, int] = (1, MAX_ROWS)) -> None:
-    """A kernel's outputs on random rows are the eager function's, to rounding: a kernel that read some tensor as a
-    constant, or another layer's weights, would compute something else."""
+def _check_against_eager(what: str, kernel: Kernel, fn: Callable, args: Sequence[torch.Tensor],
+                         rows: tuple[int, int] = (1, MAX_ROWS)) -> None:
+    """A kernel's outputs on random rows are the eager function's, to rounding: a kernel built from another layer's
+    weights, or loaded for code it was not traced from, would compute something else."""
     generator = torch.Generator(device=args[0].device).manual_seed(0)
     n = min(max(3, rows[0]), rows[1])
     inputs = [torch.randn(n, *a.shape[1:], generator=generator, dtype=a.dtype, device=a.device)
@@ -579,7 +474,7 @@ def _check_against_eager(what: str, kernel: Kernel, weights: list[torch.Tensor],
               for a in args]
     with torch.inference_mode():
         expected = fn(*inputs)
-        got = kernel(weights, *inputs)
+        got = kernel(*inputs)
     tolerance = 1e-3 if args[0].dtype == torch.float32 else 5e-2
     for i, (e, g) in enumerate(zip(expected, got)):
         if e.shape != g.shape or not torch.allclose(e, g, rtol=tolerance, atol=tolerance):

@@ -90,7 +90,7 @@ class LLM:
         `speculative_config` gives every speculative setting at once. `threads`: torch CPU threads (default: the
         rule in eyas.threads, 1 on CPU for small models), set for the whole process. `compiled_step`: decode and
         verify steps run the target as compiled kernels (eyas.engine.compiled_step; CPU only), compiled on the
-        first use of a model shape (`progress` hears each kernel) and loaded from the disk cache after."""
+        first use of a model's weights (`progress` hears each kernel) and loaded from the disk cache after."""
         if compiled_step and torch.device(device).type != "cpu":
             raise ValueError(f"the compiled step runs on CPU only; on {device} leave compiled_step off "
                              "(--enforce-eager)")

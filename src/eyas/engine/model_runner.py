@@ -41,7 +41,7 @@ class ModelRunner:
                  lanes: tuple[int, int] = (0, 0), compiled_step: bool = False,
                  progress: Callable[[str], None] | None = None) -> None:
         """`compiled_step`: decode and verify steps run the target through compiled kernels (CompiledTarget;
-        compiled on first use of a model shape, `progress` hears each kernel)."""
+        compiled on first use of a model's weights, `progress` hears each kernel)."""
         self.model = model
         config = model.config
         weight = model.lm_head.weight
