@@ -237,11 +237,11 @@ class MoE(nn.Module):
             expert.down_proj.weight = nn.Parameter(down.t(), requires_grad=False)
 
     def pack_all(self) -> bool:
-        """For a compiled step with the weights frozen in (bfloat16 on CPU), where a row's few chosen experts are
-        a large share of them (at most ALL_EXPERTS_SHARE times the experts a token chooses, as the bundled target's
-        8 for 2): every routed expert over every row as two linears, the routing weights applied between them and
-        the sum over experts done inside the second (see _all_linear). Against the chosen experts' slices in the
-        bundled target's frozen kernels (eval prompts, one process alternating): plain decoding 1.12x at batch 4,
+        """For a compiled step (its weights frozen in, on CPU), where a row's few chosen experts are a large share
+        of them (at most ALL_EXPERTS_SHARE times the experts a token chooses, as the bundled target's 8 for 2): every
+        routed expert over every row as two linears, the routing weights applied between them and the sum over
+        experts done inside the second (see _all_linear). Against the chosen experts' slices in the bundled target's
+        bfloat16 kernels on an AMX Xeon (eval prompts, one process alternating): plain decoding 1.12x at batch 4,
         1.12x at 16, 1.10x at 32 and 0.94x at batch 1; speculative at batch 1 (K=3) 1.00x. Whether it packed them;
         needs pack() first."""
         c = self.config
@@ -274,8 +274,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         expert_ids, weights = self.route(x)
         # the eager paths add expert outputs in ascending expert order: the summation order does not depend on the
-        # path (the last bits still can: CPU matmuls round differently for different row counts); the frozen
-        # kernels' _all_linear sums inside its matmul, and there every step runs it
+        # path (the last bits still can: CPU matmuls round differently for different row counts); the compiled
+        # kernels' _all_linear sums inside its matmul, and in bfloat16 every step runs it
         if torch.compiler.is_compiling() and self.all_gate_up is not None:
             out = self._all_linear(x, expert_ids, weights)
         elif torch.compiler.is_compiling() and self.stacked_gate_up is not None:
