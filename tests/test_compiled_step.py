@@ -74,7 +74,7 @@ def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
         assert kernel_calls.count("first-layer0") > 5
         drafted = {name for name in kernel_calls if name.startswith(("draft-", "mtp-"))}
         arch = spec["draft_model"].name if "draft_model" in spec else None
-        # the MTP layer's MoE has a one-row form, as the target's does (the last sequence drafts alone)
+        # the MTP layer's MoE has a one-row form (the last sequence drafts alone)
         assert drafted == ({f"draft-{arch}-{part}" for part in ("fuse", "inputs", "outputs")} if arch else
                            {"mtp-inputs", "mtp-outputs", "mtp-outputs-1row"}), spec
 

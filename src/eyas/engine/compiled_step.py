@@ -63,24 +63,6 @@ MAX_ROWS = 128
 DERIVED = ("weight_pair",)
 
 
-def module_tensors(modules: Sequence[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Every tensor the modules (and their submodules) hold, in a fixed order: parameters, buffers and the packed
-    tensors set by pack() (plain attributes)."""
-    found = []
-    for top in modules:
-        for _, module in top.named_modules():
-            for name, t in module._parameters.items():
-                if t is not None:
-                    found.append((module, name, t))
-            for name, t in module._buffers.items():
-                if t is not None:
-                    found.append((module, name, t))
-            for name, t in vars(module).items():
-                if isinstance(t, torch.Tensor) and name not in DERIVED:
-                    found.append((module, name, t))
-    return found
-
-
 class _Frozen(nn.Module):
     """`fn(*args)` over modules whose tensors export keeps as the kernel's constants."""
 
@@ -101,10 +83,17 @@ def every_step(dtype: torch.dtype) -> bool:
 
 
 def _weights_digest(modules: Sequence[nn.Module]) -> str:
+    """A digest of every tensor a kernel over `modules` may freeze in: each module's and submodule's parameters,
+    buffers and the packed tensors set by pack() (plain attributes), with their names, shapes and dtypes."""
     digest = hashlib.sha256()
-    for _, name, t in module_tensors(modules):
-        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for top in modules:
+        for _, module in top.named_modules():
+            held = [*module._parameters.items(), *module._buffers.items(),
+                    *((n, t) for n, t in vars(module).items() if isinstance(t, torch.Tensor) and n not in DERIVED)]
+            for name, t in held:
+                if t is not None:
+                    digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+                    digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:24]
 
 
