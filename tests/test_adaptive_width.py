@@ -4,7 +4,7 @@ and a line through them, buckets by powers of two."""
 
 import pytest
 
-from eyas.engine.adaptive_width import COLD_STEPS, IDLE_SECONDS, AdaptiveWidth, bucket_of
+from eyas.engine.adaptive_width import COLD_STEPS, DOUBT, IDLE_SECONDS, AdaptiveWidth, bucket_of
 
 TIMES = {0: 0.010, 1: 0.014, 2: 0.017, 3: 0.021}  # the worked example in the module
 ACCEPTED = [3, 2, 2, 1, 0]  # five sequences' accepted drafts at width 3: q = 0.8, 0.6, 0.2
@@ -402,16 +402,28 @@ def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths()
         assert policy.buckets[8].width == expected, prompt_rows
 
 
-def test_probes_away_from_width_0_back_off_on_any_loss():
-    """Width 1 5% behind width 0: a probe away from width 0 lengthens the wait even so, while a neighbour 5% behind a
-    drafting width is probed every period (test_neighbours_are_probed_in_turn... with CLOSE)."""
+def test_probes_away_from_width_0_back_off_unless_halfway_to_taking_the_bucket():
+    """A probe away from width 0 lengthens the wait unless it finds its width halfway to leave_zero_margin ahead (the
+    rates judged a standard error lower, as the choice reads them): with width 1 5% behind, and with it just ahead
+    (by 0.5%: a probe that would not move the width), the waits grow 4x; 6% ahead, the probes come every period
+    and width 0 is kept (short of the 10% that takes it). A neighbour 5% behind a drafting width is probed every
+    period (test_neighbours_are_probed_in_turn... with CLOSE)."""
     from eyas.engine.adaptive_width import MAX_BACKOFF
 
-    near = {0: 0.010, 1: 0.0189, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens in 18.9 ms, 0.95x width 0's rate
-    policy = AdaptiveWidth(max_width=3, probe_every=64)
-    widths = run(policy, 16 + 16 * (1 + 4 + 16 + 4 * MAX_BACKOFF), batch=1, times=near)
-    starts = [i for i in range(16, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
-    assert [b - a for a, b in zip(starts, starts[1:])] == [64, 256, 512], starts
+    def probe_gaps(width_1_seconds: float) -> tuple[list[int], float]:
+        times = {0: 0.010, 1: width_1_seconds, 2: 0.04, 3: 0.05}  # w1: 1.8 tokens (1.8 / 18.9 ms: 0.95x width 0)
+        policy = AdaptiveWidth(max_width=3, probe_every=64)
+        widths = run(policy, 16 + 16 * (1 + 4 + 16 + 4 * MAX_BACKOFF), batch=1, times=times)
+        starts = [i for i in range(16, len(widths)) if widths[i] != 0 and widths[i - 1] == 0]
+        assert policy.buckets[1].width == 0
+        doubted = policy._scores(1, policy.buckets[1], DOUBT)
+        return [b - a for a, b in zip(starts, starts[1:])], doubted[1] / doubted[0]
+
+    for seconds, low, high in ((0.0189, 0.85, 0.95), (0.0167, 1.0, 1.01)):
+        gaps, ahead = probe_gaps(seconds)
+        assert gaps[:3] == [64, 256, 512] and low < ahead < high, (seconds, gaps, ahead)
+    gaps, ahead = probe_gaps(0.0165)
+    assert set(gaps) == {16} and len(gaps) > 40 and 1.05 < ahead < 1.1, (gaps, ahead)
 
 
 def test_a_new_bucket_above_a_settled_one_tries_only_the_widths_up_to_its_width():

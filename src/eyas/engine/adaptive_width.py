@@ -50,10 +50,12 @@ and the acceptance of the next position stay fresh at the cost of three steps' d
 widest width. A probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the
 next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position
 every sequence computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms
-against 7 for two steps at width 0, which at one probe in 128 steps was 4% of the run; so on any loss it makes the
-wait 4x longer, up to 4 MAX_BACKOFF periods (1% there). One that finds its width close (or ahead) brings the wait
-back to probe_every. The width changes only how many drafts are verified: outputs are the same at every width
-(greedy: token for token; sampling: in distribution).
+against 7 for two steps at width 0, which at one probe in 128 steps was 4% of the run; so unless it finds its
+width halfway to taking the bucket (`leave_zero_margin` / 2 ahead of width 0) it makes the wait 4x longer, up to 4
+MAX_BACKOFF periods (1% there; with the wait back to probe_every on any probe not behind width 0, one sequence at a
+time on the bundled models ran a probe every 48 steps, 1.8% of the run). One that finds its width close (or ahead)
+brings the wait back to probe_every. The width changes only how many drafts are verified: outputs are the same at
+every width (greedy: token for token; sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
@@ -130,6 +132,9 @@ STALE_CALLS = 512
 # width 1 at c=16, 1.006x against 0.964x at c=32
 PEAK_CALLS = 128
 DOUBT = 1.0  # standard errors off each acceptance rate when a width is judged from width 0 (module docstring)
+# the current width's steps weigh in a choice every DECIDE_EVERY calls (another width's, at once): one step moves
+# its median little, and the choice (the scores of every width) took 25-60 us a step, 1-2% of a step at one sequence
+DECIDE_EVERY = 4
 LEVEL_STEPS = 8  # the latest steps of the bucket's width that set its level (a median: a slow step does not move it)
 
 
@@ -303,13 +308,16 @@ class AdaptiveWidth:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
         own step: wait longer for the next (module docstring); close by either: wait probe_every (a change of speed
         shows in the probe's step before it moves the median)."""
-        scores, width, tokens = self._scores(batch_size, bucket), bucket.probed, _tokens_per_step(bucket)
+        doubt = DOUBT if bucket.width == 0 else 0.0  # the rates as the choice reads them (observe)
+        scores, width, tokens = self._scores(batch_size, bucket, doubt), bucket.probed, _tokens_per_step(bucket, doubt)
         samples = bucket.samples[width]
         context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
         latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
         current = scores[bucket.width]
-        # a probe away from width 0 first runs the draft over every position of the pause, of every sequence
-        loss, factor, most = (BACKOFF_LOSS, 2, MAX_BACKOFF) if bucket.width > 0 else (0.0, 4, 4 * MAX_BACKOFF)
+        # a probe away from width 0 first runs the draft over every position of the pause, of every sequence: it is
+        # far unless it came halfway to taking the width (a probe close to width 0 leaves it no more than one behind)
+        loss, factor, most = (BACKOFF_LOSS, 2, MAX_BACKOFF) if bucket.width > 0 \
+            else (-self.leave_zero_margin / 2, 4, 4 * MAX_BACKOFF)
         far = current is not None and all(score is not None and score < current * (1 - loss)
                                           for score in (scores[width], latest))
         bucket.backoff = min(factor * bucket.backoff, most) if far else 1
@@ -411,7 +419,7 @@ class AdaptiveWidth:
             self._take_time(batch_size, bucket, width, seconds)
         if width:
             self._count_acceptance(bucket, width, drafted_and_accepted)
-        if sum(m is not None for m in bucket.medians) < 2:
+        if sum(m is not None for m in bucket.medians) < 2 or (width == bucket.width and bucket.calls % DECIDE_EVERY):
             return
         # from width 0 the rates are the probes' few trials: judged a standard error lower
         scores = self._scores(batch_size, bucket, DOUBT if bucket.width == 0 else 0.0)
