@@ -404,10 +404,10 @@ def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths()
 
 def test_probes_away_from_width_0_back_off_unless_halfway_to_taking_the_bucket():
     """A probe away from width 0 lengthens the wait unless it finds its width halfway to leave_zero_margin ahead (the
-    rates judged a standard error lower, as the choice reads them): with width 1 5% behind, and with it just ahead
-    (by 0.5%: a probe that would not move the width), the waits grow 4x; 6% ahead, the probes come every period
-    and width 0 is kept (short of the 10% that takes it). A neighbour 5% behind a drafting width is probed every
-    period (test_neighbours_are_probed_in_turn... with CLOSE)."""
+    rates judged a standard error lower, as the choice reads them): with width 1 11% behind so (5% by its rates as
+    measured), and with it just ahead (by 0.5%: a probe that would not move the width), the waits grow 4x; 6% ahead,
+    the probes come every period and width 0 is kept (short of the 10% that takes it). A neighbour 5% behind a
+    drafting width is probed every period (test_neighbours_are_probed_in_turn... with CLOSE)."""
     from eyas.engine.adaptive_width import MAX_BACKOFF
 
     def probe_gaps(width_1_seconds: float) -> tuple[list[int], float]:

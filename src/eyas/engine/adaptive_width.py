@@ -315,7 +315,7 @@ class AdaptiveWidth:
         latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
         current = scores[bucket.width]
         # a probe away from width 0 first runs the draft over every position of the pause, of every sequence: it is
-        # far unless it came halfway to taking the width (a probe close to width 0 leaves it no more than one behind)
+        # far unless its width came halfway to taking the bucket (leave_zero_margin / 2 ahead)
         loss, factor, most = (BACKOFF_LOSS, 2, MAX_BACKOFF) if bucket.width > 0 \
             else (-self.leave_zero_margin / 2, 4, 4 * MAX_BACKOFF)
         far = current is not None and all(score is not None and score < current * (1 - loss)
