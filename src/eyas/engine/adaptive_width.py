@@ -31,31 +31,35 @@ divided by the bucket's `level` when it was taken: the median of the current wid
 that of its first LEVEL_STEPS steps since it was chosen (held while those run), so every width is compared at the
 speed of now.
 
-Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only
-when every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket
-whose tries all went untimed run the nearest settled bucket's width, that of one done trying widths, else 0). What a
-new bucket tries is set at its first step that could time a width, by the nearest bucket that has timed its own (of
-two as near, the larger): above a smaller one, only the widths up to the smaller one's (the best width does not grow
-with the batch: each sequence's verify rows cost more of a step), so a server whose load climbs does not run its
-largest batches at the widest width to learn what the smaller ones already showed; beside one that drafts nothing
-(width 0), width 0 only, then probes up from it: a try away from width 0 first runs the draft over every position of
-every sequence's pause (random prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms
-with the draft's layer eager, five decode steps of 16 sequences), which a bucket the batch only passes through, as
-it drains, pays and seldom times. Such a bucket also waits as long before its first probe as that one had come to
-wait (below). A new best replaces the current width only when it beats it by `margin` (width 0 by
-`leave_zero_margin`, below); every `probe_every` steps (down to a quarter of that below 8 sequences) a neighbour of
-the current width runs for three steps (the first proposes its drafts, the second verifies them, the third is timed:
-a run of any width is timed from its third step, see SETTLE_STEPS), the wider and the narrower in turn, so the line
-and the acceptance of the next position stay fresh at the cost of three steps' difference, not of a run at the
-widest width. A probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the
-next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position
-every sequence computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms
-against 7 for two steps at width 0, which at one probe in 128 steps was 4% of the run; so unless it finds its
-width halfway to taking the bucket (`leave_zero_margin` / 2 ahead of width 0) it makes the wait 4x longer, up to 4
-MAX_BACKOFF periods (1% there; with the wait back to probe_every on any probe not behind width 0, one sequence at a
-time on the bundled models ran a probe every 48 steps, 1.8% of the run). One that finds its width close (or ahead)
-brings the wait back to probe_every. The width changes only how many drafts are verified: outputs are the same at
-every width (greedy: token for token; sampling: in distribution).
+Widths not timed yet in a bucket are tried first (widest first, MAX_TRIES steps each at most: a step is timed only when
+every sequence verified and proposed that width; a step with prompt rows spends no try, and it and a bucket whose tries
+all went untimed run the nearest settled bucket's width, that of one done trying widths, else 0). What a new bucket
+tries is set at its first step that could time a width, by the nearest bucket that has timed its own (of two as near,
+the larger): above a smaller one, only the widths up to the smaller one's (the best width does not grow with the batch:
+each sequence's verify rows cost more of a step), so a server whose load climbs does not run its largest batches at the
+widest width to learn what the smaller ones already showed; beside one that drafts nothing (width 0), width 0 only, then
+probes up from it: a try away from width 0 first runs the draft over every position of every sequence's pause (random
+prompts at 16 sequences on the bundled models: 1144 positions of 6 sequences in 39 ms with the draft's layer eager, five
+decode steps of 16 sequences), which a bucket the batch only passes through, as it drains, pays and seldom times. Such a
+bucket also waits as long before its first probe as that one had come to wait (below). A new best replaces the current
+width only when it beats it by `margin` (width 0 by `leave_zero_margin`, below); every `probe_every` steps (down to a
+quarter of that below 8 sequences) a neighbour of the current width runs for three steps (the first proposes its drafts,
+the second verifies them, the third is timed: a run of any width is timed from its third step, see SETTLE_STEPS), the
+wider and the narrower in turn, so the line and the acceptance of the next position stay fresh at the cost of three
+steps' difference, not of a run at the widest width; and above two sequences every other narrower probe from width 2 up
+runs width 0, which is off the line, so that its time is not the few steps it ran long before (a server at 4 sequences,
+fresh, tried width 0 for 4 steps at 11.7 ms among its first and then ran width 2 for 338 steps of 17.8, where in whole
+runs width 2's steps took 2.33x width 0's for 2.08x the tokens); its outcome leaves the wait as it was (at one sequence,
+where the narrower probes come every 32 steps, it cost 6% in whole runs: 0.911 against 0.974 of the best fixed width,
+three rounds). A probe that finds its width more than BACKOFF_LOSS behind the current one doubles the wait before the
+next (up to MAX_BACKOFF times). A probe away from width 0 costs more: it also runs the draft over every position every
+sequence computed since the last (its context must have no hole), at one sequence on the bundled models 18 ms against 7
+for two steps at width 0, which at one probe in 128 steps was 4% of the run; so unless it finds its width halfway to
+taking the bucket (`leave_zero_margin` / 2 ahead of width 0) it makes the wait 4x longer, up to 4 MAX_BACKOFF periods
+(1% there; with the wait back to probe_every on any probe not behind width 0, one sequence at a time on the bundled
+models ran a probe every 48 steps, 1.8% of the run). One that finds its width close (or ahead) brings the wait back to
+probe_every. The width changes only how many drafts are verified: outputs are the same at every width (greedy: token for
+token; sampling: in distribution).
 
 Drafting also costs outside the decode steps: every position a drafting sequence computes must pass through the
 draft (its context: an EAGLE-3 draft's step 0, a DFlash draft's context K/V), a prompt's positions included, while
@@ -282,6 +286,8 @@ class AdaptiveWidth:
         wider = bucket.probes % 2 == 0
         width = bucket.width + 1 if bucket.width == 0 or (wider and bucket.width < self.max_width) \
             else bucket.width - 1
+        if width == bucket.width - 1 and bucket.probes % 4 == 3 and batch_size > 2:
+            width = 0  # off the line through the drafting widths: only its own steps time it (module docstring)
         if bucket.next_probe <= bucket.calls < bucket.next_probe + PROBE_STEPS:
             if bucket.calls == bucket.next_probe + PROBE_STEPS - 1:
                 bucket.probes += 1
@@ -310,6 +316,9 @@ class AdaptiveWidth:
         shows in the probe's step before it moves the median)."""
         doubt = DOUBT if bucket.width == 0 else 0.0  # the rates as the choice reads them (observe)
         scores, width, tokens = self._scores(batch_size, bucket, doubt), bucket.probed, _tokens_per_step(bucket, doubt)
+        if width == 0 and bucket.width >= 2:  # width 0 beside the neighbours (_choose): the wait is theirs
+            bucket.probed = None
+            return
         samples = bucket.samples[width]
         context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
         latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
