@@ -314,11 +314,12 @@ class AdaptiveWidth:
         """The probe that just ran found its width far behind the current one, by its estimate and by the probe's
         own step: wait longer for the next (module docstring); close by either: wait probe_every (a change of speed
         shows in the probe's step before it moves the median)."""
-        doubt = DOUBT if bucket.width == 0 else 0.0  # the rates as the choice reads them (observe)
-        scores, width, tokens = self._scores(batch_size, bucket, doubt), bucket.probed, _tokens_per_step(bucket, doubt)
+        width = bucket.probed
         if width == 0 and bucket.width >= 2:  # width 0 beside the neighbours (_choose): the wait is theirs
             bucket.probed = None
             return
+        doubt = DOUBT if bucket.width == 0 else 0.0  # the rates as the choice reads them (observe)
+        scores, tokens = self._scores(batch_size, bucket, doubt), _tokens_per_step(bucket, doubt)
         samples = bucket.samples[width]
         context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
         latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
