@@ -21,9 +21,10 @@ docs/serving.md). A kernel is compiled once per set of weights, torch version an
 (`cache_dir()`); a later start loads it in a few seconds.
 
 In bfloat16 every step runs the kernels, prompt chunks too (`every_step`), and each kernel rounds a row alike
-whatever rows run beside it, so a row's bits never depend on the batch. In float32 prompt chunks and steps of more
-than MAX_ROWS rows run eager: CPU BLAS multiplies a chunk's rows faster than the kernels' GEMMs (16 sequences
-decoding beside arriving prompts ran 0.90x as fast with every step in the kernels).
+whatever rows run beside it, so a row's bits never depend on the batch. In float32 steps with a prompt chunk of
+more than FEW_ROWS rows in all, and steps of more than MAX_ROWS rows, run eager: CPU BLAS multiplies a chunk's rows
+faster than the kernels' GEMMs (16 sequences decoding beside arriving prompts ran 0.90x as fast with every step in
+the kernels), but an eager step costs ~10 ms however few its rows (`FEW_ROWS`).
 
 Calls go straight to the compiled runner (`loader.run`), which costs a few microseconds a call where a
 `torch.compile`d function's guards and wrapper cost about 30.
@@ -59,6 +60,11 @@ from eyas.paths import compiled_dir as cache_dir
 # the most rows a compiled step takes: 32 sequences verifying 3 drafts each (a compiled MoE layer runs each row's
 # chosen experts, 1.7x faster than all experts over all rows from 16 to 160 rows)
 MAX_ROWS = 128
+# float32 steps of at most this many rows run the kernels though a prompt chunk is among them: an eager step's GEMMs
+# take few rows poorly (bundled target, one thread, one prompt: 17 tokens 12.6 ms eager against 6.8 in the kernels,
+# 24 tokens 14.1 / 9.2, 40 tokens 17.2-18.3 / 13.8; 48 tokens 20.0 / 18.2-19.0, 64 tokens 22.4-23.0 / 21.4-22.0, 128
+# tokens 32.8-35.0 / 42.3, the kernels' absorbed attention over a chunk's keys growing with its rows)
+FEW_ROWS = 40
 # packed forms computed from other tensors, which no kernel reads (traced code takes the plain form and fuses it)
 DERIVED = ("weight_pair",)
 
@@ -77,8 +83,8 @@ class _Frozen(nn.Module):
 
 def every_step(dtype: torch.dtype) -> bool:
     """Whether every step runs the kernels, prompt chunks too: bfloat16 ones, whose rounding of a row must not depend
-    on the path it takes (see the module docstring). Float32 prompt chunks run eager, where CPU BLAS is faster than
-    the kernels' GEMMs at their 128 rows a call."""
+    on the path it takes (see the module docstring). Float32 steps with prompt chunks run eager above FEW_ROWS rows,
+    where CPU BLAS is faster than the kernels' GEMMs at their 128 rows a call."""
     return dtype == torch.bfloat16
 
 
@@ -232,8 +238,10 @@ class CompiledTarget:
 
     @staticmethod
     def takes(attn: AttentionMetadata) -> bool:
-        """Whether the compiled step runs this batch: decode and verify rows only, at most MAX_ROWS of them."""
-        return attn.num_tokens <= MAX_ROWS and all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups)
+        """Whether the compiled step runs this batch: decode and verify rows only, at most MAX_ROWS of them, or any
+        rows at most FEW_ROWS."""
+        return attn.num_tokens <= FEW_ROWS or (
+            attn.num_tokens <= MAX_ROWS and all(g.query_rows.shape[1] <= SHORT_QUERY for g in attn.groups))
 
     def runs(self, attn: AttentionMetadata) -> bool:
         """Whether this step runs compiled: any batch where every_step, else the ones `takes` accepts."""

@@ -168,9 +168,10 @@ class MLAttention(nn.Module):
         pad = q.shape[-1] - v.shape[-1]
         if pad > 0 and q.device.type == "cpu":  # the fused CPU kernel wants v as wide as q and k (see _expanded)
             v = F.pad(v, (0, pad))
-        out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), attn_mask=attn_bias.to(q.dtype),
-                                             scale=self.scale)[..., :self.v_dim]
-        return out.transpose(0, 1)
+        # 4-D: with 3-D inputs SDPA takes its unfused path on CPU (339-token prompt: 5.6 ms a layer against 2.6)
+        out = F.scaled_dot_product_attention(q[None], k[None], v.transpose(0, 1)[None],
+                                             attn_mask=attn_bias[None].to(q.dtype), scale=self.scale)
+        return out[0, ..., :self.v_dim].transpose(0, 1)
 
     def expanded_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Per-head q [..., heads, qk_head_dim], k (same), v [..., heads, v_head_dim]: the expanded form, for
