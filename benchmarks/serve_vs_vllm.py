@@ -14,6 +14,11 @@ defaults (the compiled step, the adaptive verify width; bfloat16 on CPUs with AM
 eyas-draft-bf16: the bfloat16 compiled step) or --dtype float32 (eyas-plain-f32, eyas-draft-f32).
 Every server gets --num-warmups untimed requests at each concurrency before its timed run. A server that does
 not start is reported with its log and the others still run.
+
+With --rounds N every server runs N times, interleaved (the order reversed every other round, so a machine that
+speeds up or slows down over the run weighs on every server alike): served runs of 32 requests move by 15% from one
+plain server to the next on a shared 2-core VM. Each ratio is taken within a round, against that round's fastest vLLM
+plain server and, for a drafting eyas server, its plain counterpart; the table shows the medians over the rounds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--servers", nargs="+", default=SERVERS, choices=SERVERS)
+    p.add_argument("--rounds", type=int, default=1, help="times every server runs, interleaved (default 1)")
     p.add_argument("--work-dir", type=Path)
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     return p.parse_args()
@@ -88,53 +95,104 @@ def cpu_model() -> str:
     return f"{name}, {os.cpu_count()} CPUs, AVX-512 {'avx512f' in flags}, AMX {'amx_tile' in flags}"
 
 
+def run_server(args: argparse.Namespace, name: str, work: Path, exported: Path, tag: str) -> dict[int, dict]:
+    """Start server `name`, drive it at every concurrency, stop it: concurrency -> its numbers. RuntimeError with the
+    server's log when it does not start."""
+    log = work / f"{name}{tag}.log"
+    try:
+        if name.startswith("eyas"):
+            dtype = {"bf16": "bfloat16", "f32": "float32"}.get(name.rsplit("-", 1)[-1])
+            server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"),
+                                     dtype=dtype)
+        else:
+            server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
+                                     max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"),
+                                     dtype="bfloat16" if name.endswith("-bf16") else "float32")
+    except RuntimeError as error:
+        raise RuntimeError(f"{error}: {log.read_text()[-2000:]}") from error
+    try:
+        runs = bench(args, url, work / f"{name}{tag}.json")
+    finally:
+        stop(server)
+    return {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
+                               "acceptance_length": r["acceptance_length"]} for r in runs}
+
+
+def plain_of(name: str) -> str | None:
+    """The plain server a drafting eyas server is compared with (eyas-draft-eager: eyas-plain-eager)."""
+    return name.replace("eyas-draft", "eyas-plain") if name.startswith("eyas-draft") else None
+
+
+def summarize(rounds: list[dict[str, dict[int, dict]]], concurrency: list[int]) -> dict[str, dict[int, dict]]:
+    """Per server and concurrency: the medians over the rounds, each ratio taken within its round (module
+    docstring), and every round's tok/s."""
+    out: dict[str, dict[int, dict]] = {}
+    for name in dict.fromkeys(n for results in rounds for n in results):
+        out[name] = {}
+        for c in concurrency:
+            runs = [results[name][c] for results in rounds if name in results]
+            vs_vllm, vs_plain = [], []
+            for results in rounds:
+                if name not in results:
+                    continue
+                tok_s = results[name][c]["tok_s"]
+                vllm = [by_c[c]["tok_s"] for n, by_c in results.items() if n.startswith("vllm-plain")]
+                if vllm:
+                    vs_vllm.append(tok_s / max(vllm))
+                if plain_of(name) in results:
+                    vs_plain.append(tok_s / results[plain_of(name)][c]["tok_s"])
+            accepted = [r["acceptance_length"] for r in runs if r["acceptance_length"] is not None]
+            out[name][c] = {"tok_s": statistics.median(r["tok_s"] for r in runs),
+                            "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+                            "acceptance_length": statistics.median(accepted) if accepted else None,
+                            "x_vllm_plain": statistics.median(vs_vllm) if vs_vllm else None,
+                            "x_eyas_plain": statistics.median(vs_plain) if vs_plain else None,
+                            "rounds_tok_s": [r["tok_s"] for r in runs],
+                            "rounds_x_vllm_plain": vs_vllm, "rounds_x_eyas_plain": vs_plain}
+    return out
+
+
+def print_table(summary: dict[str, dict[int, dict]], concurrency: list[int]) -> None:
+    print(f"{'server':16s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain, x eyas plain) TPOT ms" for c in concurrency))
+    for name, by_c in summary.items():
+        cells = []
+        for c in concurrency:
+            r = by_c[c]
+            ratios = [f"{x:.2f}x" if x is not None else "-" for x in (r["x_vllm_plain"], r["x_eyas_plain"])]
+            cells.append(f"  {r['tok_s']:7.1f} ({ratios[0]:>6s}, {ratios[1]:>6s})       {r['tpot_ms']:7.1f}")
+        print(f"{name:16s}" + "".join(cells))
+
+
 def main() -> int:
     args = parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="eyas-serve-vs-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     exported = work / "draft-vllm"
     if any(name.startswith("vllm-draft") for name in args.servers):
         subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(DRAFT), str(exported), "--format", "vllm",
                         "--target", str(TARGET)], check=True)
-    results: dict[str, dict[int, dict]] = {}
+    rounds: list[dict[str, dict[int, dict]]] = []
     failed: dict[str, str] = {}
-    for name in args.servers:
-        log = work / f"{name}.log"
-        try:
-            if name.startswith("eyas"):
-                dtype = {"bf16": "bfloat16", "f32": "float32"}.get(name.rsplit("-", 1)[-1])
-                server, url = start_eyas(args, name.startswith("eyas-draft"), log, eager=name.endswith("-eager"),
-                                         dtype=dtype)
-            else:
-                server, url = start_vllm(args, exported if name.startswith("vllm-draft") else None, log,
-                                         max_num_seqs=max(args.concurrency), eager=name.endswith("-eager"),
-                                         dtype="bfloat16" if name.endswith("-bf16") else "float32")
-        except RuntimeError as error:
-            failed[name] = f"{error}: {log.read_text()[-2000:]}"
-            print(f"{name} did not start: {error}", file=sys.stderr)
-            continue
-        try:
-            runs = bench(args, url, work / f"{name}.json")
-        finally:
-            stop(server)
-        results[name] = {r["concurrency"]: {"tok_s": r["output_throughput"], "tpot_ms": r["tpot_ms"]["mean"],
-                                            "acceptance_length": r["acceptance_length"]} for r in runs}
-    plain = [by_c for name, by_c in results.items() if name.startswith("vllm-plain")]
-    base = {c: max((by_c[c] for by_c in plain), key=lambda r: r["tok_s"]) for c in args.concurrency} if plain else None
-    print(f"{'server':16s}" + "".join(f"  c={c:<3d} tok/s (x vLLM plain)  TPOT ms" for c in args.concurrency))
-    for name, by_c in results.items():
-        cells = []
-        for c in args.concurrency:
-            r = by_c[c]
-            ratio = f"{r['tok_s'] / base[c]['tok_s']:.2f}x" if base else "-"
-            cells.append(f"  {r['tok_s']:7.1f} ({ratio:>6s})            {r['tpot_ms']:7.1f}")
-        print(f"{name:16s}" + "".join(cells))
+    for n in range(args.rounds):
+        results: dict[str, dict[int, dict]] = {}
+        for name in args.servers if n % 2 == 0 else args.servers[::-1]:
+            if name in failed:
+                continue
+            try:
+                results[name] = run_server(args, name, work, exported, f"-round{n + 1}" if args.rounds > 1 else "")
+            except RuntimeError as error:
+                failed[name] = str(error)
+                print(f"{name} did not start: {str(error)[:200]}", file=sys.stderr)
+        rounds.append(results)
+    summary = summarize(rounds, args.concurrency)
+    print_table(summary, args.concurrency)
     if args.out:
         args.out.write_text(json.dumps({"concurrency": args.concurrency, "dataset": args.dataset,
-                                        "num_prompts": args.num_prompts,
-                                        "output_len": args.output_len, "num_warmups": args.num_warmups,
-                                        "cpu": cpu_model(), "results": results, "did_not_start": failed},
-                                       indent=2) + "\n")
+                                        "num_prompts": args.num_prompts, "output_len": args.output_len,
+                                        "num_warmups": args.num_warmups, "rounds": args.rounds, "cpu": cpu_model(),
+                                        "results": summary, "did_not_start": failed}, indent=2) + "\n")
     return 0
 
 
