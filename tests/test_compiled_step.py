@@ -79,6 +79,23 @@ def test_compiled_greedy_equals_eager_greedy(models, kernel_calls):
                            {"mtp-inputs", "mtp-outputs", "mtp-outputs-1row"}), spec
 
 
+def test_a_float32_step_of_few_rows_runs_the_kernels_with_its_prompt_chunk(models, kernel_calls):
+    """A prompt longer than a decode query but within FEW_ROWS runs the kernels (an eager step costs ~10 ms however
+    few its rows); a longer one runs eager; greedy output is eager's either way."""
+    target, _ = models
+    short = [(5 * i) % 90 + 2 for i in range(compiled_step.FEW_ROWS - 2)]
+    long = [(7 * i) % 90 + 2 for i in range(compiled_step.FEW_ROWS + 9)]
+    eager = LLM(target, compiled_step=False)
+    llm = LLM(target, compiled_step=True)
+    assert llm.runner.compiled is not None and not llm.runner.compiled.every_step  # float32
+    for prompt, kernels in ((short, 1), (long, 0)):
+        kernel_calls.clear()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # the prompt's step alone
+        assert kernel_calls.count("first-layer0") == kernels, len(prompt)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert llm.generate([prompt], params)[0].token_ids == eager.generate([prompt], params)[0].token_ids
+
+
 def test_each_kernel_computes_its_own_layer(models):
     """Float32 kernels hold their layer's weights frozen in, as bfloat16 ones do: layers 1 and 2 (both MoE, then
     attention inputs) run kernels of their own, and layer 1's computes layer 1, not layer 2."""
