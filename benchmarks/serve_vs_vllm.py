@@ -126,29 +126,25 @@ def plain_of(name: str) -> str | None:
 def summarize(rounds: list[dict[str, dict[int, dict]]], concurrency: list[int]) -> dict[str, dict[int, dict]]:
     """Per server and concurrency: the medians over the rounds, each ratio taken within its round (module
     docstring), and every round's tok/s."""
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
     out: dict[str, dict[int, dict]] = {}
     for name in dict.fromkeys(n for results in rounds for n in results):
+        ran = [results for results in rounds if name in results]  # the rounds it started in
         out[name] = {}
         for c in concurrency:
-            runs = [results[name][c] for results in rounds if name in results]
-            vs_vllm, vs_plain = [], []
-            for results in rounds:
-                if name not in results:
-                    continue
-                tok_s = results[name][c]["tok_s"]
-                vllm = [by_c[c]["tok_s"] for n, by_c in results.items() if n.startswith("vllm-plain")]
-                if vllm:
-                    vs_vllm.append(tok_s / max(vllm))
-                if plain_of(name) in results:
-                    vs_plain.append(tok_s / results[plain_of(name)][c]["tok_s"])
-            accepted = [r["acceptance_length"] for r in runs if r["acceptance_length"] is not None]
-            out[name][c] = {"tok_s": statistics.median(r["tok_s"] for r in runs),
-                            "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
-                            "acceptance_length": statistics.median(accepted) if accepted else None,
-                            "x_vllm_plain": statistics.median(vs_vllm) if vs_vllm else None,
-                            "x_eyas_plain": statistics.median(vs_plain) if vs_plain else None,
-                            "rounds_tok_s": [r["tok_s"] for r in runs],
-                            "rounds_x_vllm_plain": vs_vllm, "rounds_x_eyas_plain": vs_plain}
+            tok_s = [results[name][c]["tok_s"] for results in ran]
+            vs_vllm = [t / max(by_c[c]["tok_s"] for n, by_c in results.items() if n.startswith("vllm-plain"))
+                       for t, results in zip(tok_s, ran) if any(n.startswith("vllm-plain") for n in results)]
+            vs_plain = [t / results[plain_of(name)][c]["tok_s"] for t, results in zip(tok_s, ran)
+                        if plain_of(name) in results]
+            out[name][c] = {"tok_s": median(tok_s),
+                            "tpot_ms": median([results[name][c]["tpot_ms"] for results in ran]),
+                            "acceptance_length": median([results[name][c]["acceptance_length"] for results in ran
+                                                         if results[name][c]["acceptance_length"] is not None]),
+                            "x_vllm_plain": median(vs_vllm), "x_eyas_plain": median(vs_plain),
+                            "rounds_tok_s": tok_s, "rounds_x_vllm_plain": vs_vllm, "rounds_x_eyas_plain": vs_plain}
     return out
 
 
