@@ -343,7 +343,8 @@ def test_a_pause_leaves_no_hole_in_the_draft_context(random_pair):
 
 def test_a_long_pause_keeps_at_most_max_pending_rows(random_pair, monkeypatch):
     """Drafting off for the whole run: once a sequence would keep more than MAX_PENDING_ROWS inputs they are written
-    into the cache (no drafts), so a pause holds bounded memory; the cache then matches the context recomputed."""
+    into the cache (no drafts), its alone, so a pause holds bounded memory; the cache then matches the context
+    recomputed."""
     monkeypatch.setattr(proposer, "MAX_PENDING_ROWS", 8)
     target, hf, draft_dir = random_pair
     config = SpeculativeConfig(method="dflash", draft_model=str(draft_dir), disable_batch_size=3)
@@ -352,9 +353,12 @@ def test_a_long_pause_keeps_at_most_max_pending_rows(random_pair, monkeypatch):
             for p in ([5, 6], [7, 8, 9], [10])]
     written = 0
     while llm.scheduler.has_work():
+        before = [s.num_draft_computed for s in seqs]
         llm.step()
-        for seq in seqs:
+        for seq, start in zip(seqs, before):
             check_invariants(seq, llm.allocator.block_size)
+            if not seq.is_finished:
+                assert (seq.num_draft_computed != start) == (seq.num_computed - start > 8)
             assert sum(t.shape[0] for t in seq.pending_draft_inputs) <= 8 and not seq.draft_tokens
             if seq.num_draft_computed and not seq.is_finished and written < 3:
                 cached, fresh = cached_and_recomputed(llm, hf, seq)

@@ -191,7 +191,8 @@ def test_a_sequence_that_outgrows_the_whole_cache_finishes_instead_of_looping(tm
 def test_a_long_pause_keeps_at_most_max_pending_rows(tmp_path, monkeypatch):
     """Drafting off for the whole run (3 running, disable_batch_size 3): each sequence keeps its draft inputs as
     copies of its own rows, and once one would hold more than MAX_PENDING_ROWS, step 0 runs them (no drafts), so a
-    pause holds bounded memory. Output is plain greedy's."""
+    pause holds bounded memory; that sequence's alone: the others (prompts of other lengths) stay paused. Output is
+    plain greedy's."""
     from tiny import YARN, add_mtp_weights, make_hf_checkpoint
 
     from eyas import LLM
@@ -208,9 +209,12 @@ def test_a_long_pause_keeps_at_most_max_pending_rows(tmp_path, monkeypatch):
     seqs = [llm.add_request(p, params) for p in prompts]
     caught_up = 0
     while llm.scheduler.has_work():
+        before = [s.num_draft_computed for s in seqs]
         llm.step()
-        for seq in seqs:
+        for seq, start in zip(seqs, before):
             check_invariants(seq, llm.allocator.block_size)
+            if not seq.is_finished:  # step 0 ran this sequence's positions only when they were past the bound
+                assert (seq.num_draft_computed != start) == (seq.num_computed - start > 8), (seq.num_computed, start)
             rows = sum(t.shape[0] for t in seq.pending_draft_inputs)
             assert rows <= 8
             for t in seq.pending_draft_inputs:  # its own rows only, not a view of the step's

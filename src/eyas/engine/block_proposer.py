@@ -97,14 +97,13 @@ class BlockProposer(Proposer):
         """`num_computed`: per sequence, the target's cached positions after this step's rollback."""
         seqs = batch.seqs
         per_seq = self._kept_states(layout, hidden, aux, num_accepted)  # the target states kept this step
-        paused = self._paused(seqs, per_seq, num_computed, width)
-        if paused is not None:
-            return paused
+        if width == 0:
+            return self._paused(seqs, per_seq, new_tokens, num_computed)
 
         # context: positions num_draft_computed..num_computed - 1 of every sequence into the draft's cache
         caught_up = any(s.pending_draft_inputs for s in seqs)
         start = self._clock()
-        rows = self._write_context(seqs, per_seq, num_computed)
+        rows = self._write_context(seqs, per_seq, new_tokens, num_computed)
         context = (rows, self._clock() - start)
 
         # budgets: the width, cut by max_tokens, the context length and the slots (sampling sequences only)
@@ -131,9 +130,11 @@ class BlockProposer(Proposer):
         self._rollback_grammars(seqs, grammar_steps, drafts)
         return Proposal(drafts, num_computed, [None] * len(seqs), caught_up, context)
 
-    def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], num_computed: list[int]) -> int:
+    def _write_context(self, seqs: list[Sequence], per_seq: list[torch.Tensor], new_tokens: list[list[int]],
+                       num_computed: list[int]) -> int:
         """Cache entries of positions num_draft_computed..num_computed - 1 of each sequence: its pending target
-        states, then this step's kept rows, one per position, fused. Returns how many positions."""
+        states, then this step's kept rows, one per position, fused (a block draft's context needs no tokens).
+        Returns how many positions."""
         inputs, starts = [], []
         for seq, x in zip(seqs, per_seq):
             inputs.extend(seq.pending_draft_inputs)
