@@ -207,7 +207,7 @@ def test_a_narrower_width_does_not_lower_the_reported_acceptance():
     llm = LLM(DEFAULT_MODEL, max_num_seqs=1, speculative_config=SpeculativeConfig(
         method="mtp", num_speculative_tokens=3, adaptive_width=True, synthetic_acceptance_rate=1.0))
     widths = itertools.cycle([3, 1, 0, 2])
-    llm.speculative.adaptive.width = lambda batch_size, catching_up=False: next(widths)
+    llm.speculative.adaptive.width = lambda batch_size, catching_up=False, pause_rows=0: next(widths)
     outs = llm.generate(["def add(a, b):\n", "import os\n"], SamplingParams(temperature=0, max_tokens=60,
                                                                               ignore_eos=True))
     totals = _totals()
@@ -611,3 +611,27 @@ def test_a_probed_width_is_read_from_its_recent_steps_only():
     run(policy, 3 * STALE_CALLS, batch=16, times=TIMES)
     new = list(bucket.samples[3]).count(TIMES[3])
     assert 2 < new < policy.window // 2 and bucket.medians[3] == pytest.approx(TIMES[3]), list(bucket.samples[3])
+
+
+def test_a_probe_away_from_width_0_waits_while_its_pass_over_the_pauses_would_cost_too_much():
+    """A probe away from width 0 first runs the draft over every position the sequences computed while it was off:
+    with the draft at 30 us a position (its timed context work) and 32 sequences pausing 100 positions each, 96 ms
+    against 10 ms steps at width 0, the first probe waits (a probe period at a time) until that is at most
+    CATCH_UP_SHARE of the steps since the bucket began, 480 steps; without pauses it comes after one period."""
+    from eyas.engine.adaptive_width import CATCH_UP_SHARE
+
+    slow = {0: 0.010, 1: 0.0257, 2: 0.04, 3: 0.05}  # width 0 the best
+    first = {}
+    for pause_rows in (0, 3200):
+        policy = AdaptiveWidth(max_width=3, probe_every=64)
+        for _ in range(4):
+            policy.observe_context(32, 1000, 0.030)
+        widths = []
+        for _ in range(700):
+            w = policy.width(32, pause_rows=pause_rows)
+            widths.append(w)
+            policy.observe(32, w, slow[w], [(w, min(a, w)) for a in [2] * 32])
+        first[pause_rows] = next(i for i in range(16, len(widths)) if widths[i] != 0)
+    assert first[0] < 64 + 16
+    wait = 3200 * 30e-6 / (CATCH_UP_SHARE * 0.010)
+    assert wait <= first[3200] < wait + 64, first
