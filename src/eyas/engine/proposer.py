@@ -227,11 +227,12 @@ class Proposer:
             start = self._clock()
             rows = self._write_context(*([xs[i] for i in full] for xs in (seqs, per_seq, new_tokens, num_computed)))
             context = (rows, self._clock() - start)
-        kept = [x.clone() for x in per_seq] if len(per_seq) > 1 else per_seq
-        done = [i in full for i in range(len(seqs))]
-        return Proposal([[] for _ in seqs], [end if d else s.num_draft_computed
-                                            for s, end, d in zip(seqs, num_computed, done)],
-                        [None if d else x for x, d in zip(kept, done)], bool(full), context)
+        written, alone = set(full), len(per_seq) == 1
+        return Proposal([[] for _ in seqs],
+                        [end if i in written else s.num_draft_computed
+                         for i, (s, end) in enumerate(zip(seqs, num_computed))],
+                        [None if i in written else x if alone else x.clone() for i, x in enumerate(per_seq)],
+                        bool(full), context)
 
     def _budgets(self, seqs: list[Sequence], layout: VerifyLayout, new_tokens: list[list[int]],
                  width: int) -> tuple[list[int], list[int]]:
