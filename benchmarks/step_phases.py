@@ -76,7 +76,7 @@ def measure(model: Path, config: SpeculativeConfig | None, prompts: list, max_to
     runner.verifier = TimedCall(runner.verifier, times, "acceptance")
     if runner.proposer is not None:
         timed(times, runner.proposer, "propose", "propose")
-        if hasattr(runner.proposer, "_write_context"):  # a block draft
+        if hasattr(runner.proposer, "_block"):  # a block draft
             timed(times, runner.proposer, "_write_context", "propose: context write")
             timed(times, runner.proposer, "_block", "propose: block forward")
         else:  # a chain: its draft forwards (a compiled draft is called as an object) and its heads
