@@ -11,13 +11,15 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* LANES: floats in one vector register, which the compiler fills with each LANES-wide operation. A block keeps 16
    accumulators in registers with AVX-512 (32 registers), 8 without (AVX2 has 16): twice as many there spill every
    multiply-add to memory (32 rows ran 30x slower than CPU BLAS). V2, V4, V8: registers of columns per row in a block
    of 2, 4 and 8 rows; FIRST_ROWS: the rows that read a block of columns from memory together; QUARTERS: four rows
-   or more run as quarters of a block (below). */
+   or more run as quarters of a block; PANEL_ROWS: from this many rows, the quarters run over contiguous copies of
+   w's columns (below). */
 #if defined(__AVX512F__)
 #define LANES 16
 #define V2 8
@@ -25,6 +27,7 @@
 #define V8 2
 #define FIRST_ROWS 2
 #define QUARTERS 0
+#define PANEL_ROWS 0
 #else
 #define LANES 8
 #define V2 4
@@ -32,6 +35,7 @@
 #define V8 1
 #define FIRST_ROWS 1
 #define QUARTERS 1
+#define PANEL_ROWS 10
 #endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -92,7 +96,8 @@ static inline float scalar_bf16(const uint16_t *p) {
             for (int v = 0; v < V; v++) store(out + r * N + n0 + v * LANES, acc[r][v]);                  \
     }
 
-/* With 16 registers (AVX2), four rows or more: a block of 8 * LANES columns as four quarters of 2 registers, 4 rows
+/* With 16 registers (AVX2), four rows or more (over w in place below PANEL_ROWS rows; else a panel's last rows,
+   below): a block of 8 * LANES columns as four quarters of 2 registers, 4 rows
    at a time over one quarter (8 accumulators, w's 2 registers used by 4 rows). The first rows' pass over the first
    quarter fetches the block's whole runs of w (8 * LANES of each row of w) 8 rows of w ahead: the block then comes
    from memory as one row reads it, and the other quarters and rows read it from the caches. On the bundled target's
@@ -100,17 +105,18 @@ static inline float scalar_bf16(const uint16_t *p) {
    below, 8 rows 0.76-0.93 against 1.32, 16 rows 1.32-1.36 against 1.89, 32 rows 2.50 against 2.83; from 16 rows
    up CPU BLAS is faster still (1.26-1.51 ms at 16, 5.2-5.7 at 128 rows against 9.4-9.7). */
 #define DEFINE_QUARTER(T, W, LOAD)                                                                       \
-    __attribute__((unused)) static void quarter_##T(const float *x, int64_t K, const W *w, int64_t N,    \
-                                                    int64_t m, int64_t n0, float *out, int fetch) {     \
+    __attribute__((unused)) static void quarter_##T(const float *x, int64_t K, const W *w, int64_t ldw,  \
+                                                    int64_t N, int64_t m, int64_t n0, float *out,       \
+                                                    int fetch) {                                         \
         vec acc[4][2];                                                                                   \
         memset(acc, 0, sizeof acc);                                                                      \
         for (int64_t k = 0; k < K; k++) {                                                                \
             if (fetch) {                                                                                 \
-                const char *ahead = (const char *)(w + (k + 8) * N + n0);                                \
+                const char *ahead = (const char *)(w + (k + 8) * ldw + n0);                                \
                 for (int c = 0; c < 8 * LANES * (int)sizeof(W); c += 64)                                 \
                     __builtin_prefetch(ahead + c, 0, 3);                                                 \
             }                                                                                            \
-            vec w0 = LOAD(w + k * N + n0), w1 = LOAD(w + k * N + n0 + LANES);                            \
+            vec w0 = LOAD(w + k * ldw + n0), w1 = LOAD(w + k * ldw + n0 + LANES);                            \
             for (int r = 0; r < 4; r++) {                                                                \
                 if (r < m) {                                                                             \
                     float s = x[r * K + k];                                                              \
@@ -128,6 +134,35 @@ static inline float scalar_bf16(const uint16_t *p) {
 DEFINE_QUARTER(f32, float, load)
 DEFINE_QUARTER(bf16, uint16_t, load_bf16)
 
+/* With 16 registers (AVX2), six rows at a time over a panel (below): 12 accumulators, more independent chains of
+   multiply-adds than a quarter's 8 to keep both FMA units busy (over w in place, 1.3-1.4x as fast from 12 rows). */
+#define DEFINE_SIX(T, W, LOAD)                                                                           \
+    __attribute__((unused)) static void six_##T(const float *x, int64_t K, const W *w, int64_t ldw,      \
+                                                int64_t N, int64_t n0, float *out, int fetch) {          \
+        vec acc[6][2];                                                                                   \
+        memset(acc, 0, sizeof acc);                                                                      \
+        for (int64_t k = 0; k < K; k++) {                                                                \
+            if (fetch) {                                                                                 \
+                const char *ahead = (const char *)(w + (k + 8) * ldw + n0);                                \
+                for (int c = 0; c < 8 * LANES * (int)sizeof(W); c += 64)                                 \
+                    __builtin_prefetch(ahead + c, 0, 3);                                                 \
+            }                                                                                            \
+            vec w0 = LOAD(w + k * ldw + n0), w1 = LOAD(w + k * ldw + n0 + LANES);                            \
+            for (int r = 0; r < 6; r++) {                                                                \
+                float s = x[r * K + k];                                                                  \
+                acc[r][0] += s * w0;                                                                     \
+                acc[r][1] += s * w1;                                                                     \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < 6; r++) {                                                                    \
+            store(out + r * N + n0, acc[r][0]);                                                          \
+            store(out + r * N + n0 + LANES, acc[r][1]);                                                  \
+        }                                                                                                \
+    }
+
+DEFINE_SIX(f32, float, load)
+DEFINE_SIX(bf16, uint16_t, load_bf16)
+
 /* the names paste V2, V4, V8 unexpanded: block_f32_2_V2 is the block of 2 rows, whatever V2 is here */
 #define DEFINE_BLOCKS(T, W, LOAD)    \
     DEFINE_BLOCK(T, W, LOAD, 1, 8)   \
@@ -139,19 +174,63 @@ DEFINE_QUARTER(bf16, uint16_t, load_bf16)
 DEFINE_BLOCKS(f32, float, load)
 DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
 
-/* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. Each block of 8 * LANES columns is read
-   from memory once, by the first FIRST_ROWS rows, as one row reads it (8 * LANES floats of each of the K rows of w:
-   runs long enough for the hardware to fetch ahead; blocks of 2 or 4 registers per row read them too short to, and
-   4 rows took 1.9 times one row's time on an evicted 8192 x 192 head). The other rows then take the block (with
-   AVX-512 96 KB at K = 192) from the caches, 8 rows at a time over V8 registers of its columns (a quarter of them,
-   24 KB, in L1), each weight register used by 8 rows. */
+/* Ten rows or more on AVX2: a block of 8 * LANES columns is copied (widened to float) into four contiguous panels of
+   2 * LANES columns, reading the block's runs of w as one row reads them; then six rows at a time (four for the last
+   ones) run over each panel, from L1. Over w in place a quarter's K runs are N floats apart (32 KB on the bundled
+   head: a power of two, so they all fall in one set of L1 and two of L2 and evict one another) and every group of
+   rows read them from L3 again. On the bundled target's lm_head on an AVX2 EPYC (one thread), the quarters in place
+   against the panels, w in L3: 12 rows 1.31 ms against 0.63, 16 rows 1.78 against 0.86, 32 rows 3.53 against 1.51,
+   64 rows 7.7 against 2.8 (CPU BLAS, 32 rows: 1.4-1.6); w evicted: 16 rows 1.21-1.24 against 1.09-1.14, 32 rows
+   2.31-2.33 against 1.71-1.90, 64 rows 4.56 against 2.72. Below ten rows the panels were faster with w in L3 and
+   slower with it evicted (2 rows 0.47 against 0.35, and 0.48 against 0.57). Where they cannot be allocated the
+   blocks run in place. */
+#define DEFINE_PANELS(T, W, LOAD)                                                                        \
+    __attribute__((unused)) static int panels_##T(const float *x, int64_t M, int64_t K, const W *w,      \
+                                                  int64_t N, float *out, int64_t *n_done) {              \
+        float *panels = malloc((size_t)K * 8 * LANES * sizeof(float));                                   \
+        *n_done = 0;                                                                                     \
+        if (panels == NULL) return -1; /* the caller runs the blocks in place */                        \
+        int64_t n0 = 0;                                                                                  \
+        for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                   \
+            for (int64_t k = 0; k < K; k++)                                                              \
+                for (int p = 0; p < 4; p++) {                                                            \
+                    float *panel = panels + (p * K + k) * 2 * LANES;                                     \
+                    store(panel, LOAD(w + k * N + n0 + p * 2 * LANES));                                  \
+                    store(panel + LANES, LOAD(w + k * N + n0 + p * 2 * LANES + LANES));                  \
+                }                                                                                        \
+            for (int p = 0; p < 4; p++) {                                                                \
+                const float *panel = panels + p * K * 2 * LANES;                                         \
+                float *o = out + n0 + p * 2 * LANES;                                                     \
+                int64_t r0 = 0;                                                                          \
+                for (; M - r0 >= 6 && M - r0 != 8; r0 += 6)                                              \
+                    six_f32(x + r0 * K, K, panel, 2 * LANES, N, 0, o + r0 * N, 0);                       \
+                for (; r0 < M; r0 += 4)                                                                  \
+                    quarter_f32(x + r0 * K, K, panel, 2 * LANES, N, M - r0 < 4 ? M - r0 : 4, 0,          \
+                                o + r0 * N, 0);                                                          \
+            }                                                                                            \
+        }                                                                                                \
+        free(panels);                                                                                    \
+        *n_done = n0;                                                                                    \
+        return 0;                                                                                        \
+    }
+
+DEFINE_PANELS(f32, float, load)
+DEFINE_PANELS(bf16, uint16_t, load_bf16)
+
+/* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. With AVX2 from PANEL_ROWS rows, the panels
+   above. Otherwise each block of 8 * LANES columns is read from memory once, by the first FIRST_ROWS rows, as one
+   row reads it (8 * LANES floats of each of the K rows of w: runs long enough for the hardware to fetch ahead; blocks
+   of 2 or 4 registers per row read them too short to, and 4 rows took 1.9 times one row's time on an evicted
+   8192 x 192 head). The other rows then take the block (with AVX-512 96 KB at K = 192) from the caches, 8 rows at a
+   time over V8 registers of its columns (a quarter of them, 24 KB, in L1), each weight register used by 8 rows. */
 #define DEFINE_ROWS_MATMUL(T, W, SCALAR)                                                                              \
 int rows_matmul_##T(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *out) {                        \
     int64_t n0 = 0;                                                                                                   \
+    if (QUARTERS && M >= PANEL_ROWS) panels_##T(x, M, K, w, N, out, &n0);                                             \
     for (; QUARTERS && M >= 4 && n0 + 8 * LANES <= N; n0 += 8 * LANES)                                                \
         for (int64_t q = 0; q < 8 * LANES; q += 2 * LANES)                                                            \
             for (int64_t r0 = 0; r0 < M; r0 += 4)                                                                     \
-                quarter_##T(x + r0 * K, K, w, N, M - r0 < 4 ? M - r0 : 4, n0 + q, out + r0 * N, q == 0 && r0 == 0);   \
+                quarter_##T(x + r0 * K, K, w, N, N, M - r0 < 4 ? M - r0 : 4, n0 + q, out + r0 * N, q == 0 && r0 == 0); \
     for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                                    \
         int64_t r0 = M >= FIRST_ROWS ? FIRST_ROWS : M;                                                                \
         if (M >= 2 && FIRST_ROWS == 2) block_##T##_2_V2(x, K, w, N, 2, n0, out);                                      \
