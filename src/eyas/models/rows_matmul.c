@@ -136,32 +136,22 @@ DEFINE_QUARTER(bf16, uint16_t, load_bf16)
 
 /* With 16 registers (AVX2), six rows at a time over a panel (below): 12 accumulators, more independent chains of
    multiply-adds than a quarter's 8 to keep both FMA units busy (over w in place, 1.3-1.4x as fast from 12 rows). */
-#define DEFINE_SIX(T, W, LOAD)                                                                           \
-    __attribute__((unused)) static void six_##T(const float *x, int64_t K, const W *w, int64_t ldw,      \
-                                                int64_t N, int64_t n0, float *out, int fetch) {          \
-        vec acc[6][2];                                                                                   \
-        memset(acc, 0, sizeof acc);                                                                      \
-        for (int64_t k = 0; k < K; k++) {                                                                \
-            if (fetch) {                                                                                 \
-                const char *ahead = (const char *)(w + (k + 8) * ldw + n0);                                \
-                for (int c = 0; c < 8 * LANES * (int)sizeof(W); c += 64)                                 \
-                    __builtin_prefetch(ahead + c, 0, 3);                                                 \
-            }                                                                                            \
-            vec w0 = LOAD(w + k * ldw + n0), w1 = LOAD(w + k * ldw + n0 + LANES);                            \
-            for (int r = 0; r < 6; r++) {                                                                \
-                float s = x[r * K + k];                                                                  \
-                acc[r][0] += s * w0;                                                                     \
-                acc[r][1] += s * w1;                                                                     \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < 6; r++) {                                                                    \
-            store(out + r * N + n0, acc[r][0]);                                                          \
-            store(out + r * N + n0 + LANES, acc[r][1]);                                                  \
-        }                                                                                                \
+__attribute__((unused)) static void six_rows(const float *x, int64_t K, const float *panel, int64_t N, float *out) {
+    vec acc[6][2];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k++) {
+        vec w0 = load(panel + k * 2 * LANES), w1 = load(panel + k * 2 * LANES + LANES);
+        for (int r = 0; r < 6; r++) {
+            float s = x[r * K + k];
+            acc[r][0] += s * w0;
+            acc[r][1] += s * w1;
+        }
     }
-
-DEFINE_SIX(f32, float, load)
-DEFINE_SIX(bf16, uint16_t, load_bf16)
+    for (int r = 0; r < 6; r++) {
+        store(out + r * N, acc[r][0]);
+        store(out + r * N + LANES, acc[r][1]);
+    }
+}
 
 /* the names paste V2, V4, V8 unexpanded: block_f32_2_V2 is the block of 2 rows, whatever V2 is here */
 #define DEFINE_BLOCKS(T, W, LOAD)    \
@@ -203,7 +193,7 @@ DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
                 float *o = out + n0 + p * 2 * LANES;                                                     \
                 int64_t r0 = 0;                                                                          \
                 for (; M - r0 >= 6 && M - r0 != 8; r0 += 6)                                              \
-                    six_f32(x + r0 * K, K, panel, 2 * LANES, N, 0, o + r0 * N, 0);                       \
+                    six_rows(x + r0 * K, K, panel, N, o + r0 * N);                       \
                 for (; r0 < M; r0 += 4)                                                                  \
                     quarter_f32(x + r0 * K, K, panel, 2 * LANES, N, M - r0 < 4 ? M - r0 : 4, 0,          \
                                 o + r0 * N, 0);                                                          \
