@@ -97,26 +97,26 @@ static inline float scalar_bf16(const uint16_t *p) {
     }
 
 /* With 16 registers (AVX2), four rows or more (over w in place below PANEL_ROWS rows; else a panel's last rows,
-   below): a block of 8 * LANES columns as four quarters of 2 registers, 4 rows
-   at a time over one quarter (8 accumulators, w's 2 registers used by 4 rows). The first rows' pass over the first
-   quarter fetches the block's whole runs of w (8 * LANES of each row of w) 8 rows of w ahead: the block then comes
-   from memory as one row reads it, and the other quarters and rows read it from the caches. On the bundled target's
-   lm_head on an AVX2 EPYC (`benchmarks/rows_matmul.py --cold`): 4 rows 0.62-0.68 ms against 0.80 through the blocks
-   below, 8 rows 0.76-0.93 against 1.32, 16 rows 1.32-1.36 against 1.89, 32 rows 2.50 against 2.83; from 16 rows
-   up CPU BLAS is faster still (1.26-1.51 ms at 16, 5.2-5.7 at 128 rows against 9.4-9.7). */
+   below): a block of 8 * LANES columns as four quarters of 2 registers, 4 rows at a time over one quarter (8
+   accumulators, w's 2 registers used by 4 rows). The first rows' pass over the first quarter fetches the block's
+   whole runs of w (8 * LANES of each row of w) 8 rows of w ahead: the block then comes from memory as one row reads
+   it, and the other quarters and rows read it from the caches. On the bundled target's lm_head on an AVX2 EPYC
+   (`benchmarks/rows_matmul.py --cold`): 4 rows 0.62-0.68 ms against 0.80 through the blocks below, 8 rows 0.76-0.93
+   against 1.32, 16 rows 1.32-1.36 against 1.89, 32 rows 2.50 against 2.83; from 16 rows up CPU BLAS is faster still
+   (1.26-1.51 ms at 16, 5.2-5.7 at 128 rows against 9.4-9.7). */
 #define DEFINE_QUARTER(T, W, LOAD)                                                                       \
     __attribute__((unused)) static void quarter_##T(const float *x, int64_t K, const W *w, int64_t ldw,  \
-                                                    int64_t N, int64_t m, int64_t n0, float *out,       \
+                                                    int64_t N, int64_t m, int64_t n0, float *out,        \
                                                     int fetch) {                                         \
         vec acc[4][2];                                                                                   \
         memset(acc, 0, sizeof acc);                                                                      \
         for (int64_t k = 0; k < K; k++) {                                                                \
             if (fetch) {                                                                                 \
-                const char *ahead = (const char *)(w + (k + 8) * ldw + n0);                                \
+                const char *ahead = (const char *)(w + (k + 8) * ldw + n0);                              \
                 for (int c = 0; c < 8 * LANES * (int)sizeof(W); c += 64)                                 \
                     __builtin_prefetch(ahead + c, 0, 3);                                                 \
             }                                                                                            \
-            vec w0 = LOAD(w + k * ldw + n0), w1 = LOAD(w + k * ldw + n0 + LANES);                            \
+            vec w0 = LOAD(w + k * ldw + n0), w1 = LOAD(w + k * ldw + n0 + LANES);                        \
             for (int r = 0; r < 4; r++) {                                                                \
                 if (r < m) {                                                                             \
                     float s = x[r * K + k];                                                              \
@@ -179,7 +179,7 @@ DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
                                                   int64_t N, float *out, int64_t *n_done) {              \
         float *panels = malloc((size_t)K * 8 * LANES * sizeof(float));                                   \
         *n_done = 0;                                                                                     \
-        if (panels == NULL) return -1; /* the caller runs the blocks in place */                        \
+        if (panels == NULL) return -1; /* the caller runs the blocks in place */                         \
         int64_t n0 = 0;                                                                                  \
         for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                   \
             for (int64_t k = 0; k < K; k++)                                                              \
@@ -193,7 +193,7 @@ DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
                 float *o = out + n0 + p * 2 * LANES;                                                     \
                 int64_t r0 = 0;                                                                          \
                 for (; M - r0 >= 6 && M - r0 != 8; r0 += 6)                                              \
-                    six_rows(x + r0 * K, K, panel, N, o + r0 * N);                       \
+                    six_rows(x + r0 * K, K, panel, N, o + r0 * N);                                       \
                 for (; r0 < M; r0 += 4)                                                                  \
                     quarter_f32(x + r0 * K, K, panel, 2 * LANES, N, M - r0 < 4 ? M - r0 : 4, 0,          \
                                 o + r0 * N, 0);                                                          \
