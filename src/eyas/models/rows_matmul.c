@@ -172,14 +172,13 @@ DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
    against the panels, w in L3: 12 rows 1.31 ms against 0.63, 16 rows 1.78 against 0.86, 32 rows 3.53 against 1.51,
    64 rows 7.7 against 2.8 (CPU BLAS, 32 rows: 1.4-1.6); w evicted: 16 rows 1.21-1.24 against 1.09-1.14, 32 rows
    2.31-2.33 against 1.71-1.90, 64 rows 4.56 against 2.72. Below ten rows the panels were faster with w in L3 and
-   slower with it evicted (2 rows 0.47 against 0.35, and 0.48 against 0.57). Where they cannot be allocated the
-   blocks run in place. */
+   slower with it evicted (2 rows 0.47 against 0.35, and 0.48 against 0.57). Returns the columns done: 0 where the
+   panels cannot be allocated, and the blocks run in place. */
 #define DEFINE_PANELS(T, W, LOAD)                                                                        \
-    __attribute__((unused)) static int panels_##T(const float *x, int64_t M, int64_t K, const W *w,      \
-                                                  int64_t N, float *out, int64_t *n_done) {              \
+    __attribute__((unused)) static int64_t panels_##T(const float *x, int64_t M, int64_t K, const W *w,  \
+                                                      int64_t N, float *out) {                           \
         float *panels = malloc((size_t)K * 8 * LANES * sizeof(float));                                   \
-        *n_done = 0;                                                                                     \
-        if (panels == NULL) return -1; /* the caller runs the blocks in place */                         \
+        if (panels == NULL) return 0; /* the caller runs the blocks in place */                          \
         int64_t n0 = 0;                                                                                  \
         for (; n0 + 8 * LANES <= N; n0 += 8 * LANES) {                                                   \
             for (int64_t k = 0; k < K; k++)                                                              \
@@ -200,8 +199,7 @@ DEFINE_BLOCKS(bf16, uint16_t, load_bf16)
             }                                                                                            \
         }                                                                                                \
         free(panels);                                                                                    \
-        *n_done = n0;                                                                                    \
-        return 0;                                                                                        \
+        return n0;                                                                                       \
     }
 
 DEFINE_PANELS(f32, float, load)
@@ -216,7 +214,7 @@ DEFINE_PANELS(bf16, uint16_t, load_bf16)
 #define DEFINE_ROWS_MATMUL(T, W, SCALAR)                                                                              \
 int rows_matmul_##T(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *out) {                        \
     int64_t n0 = 0;                                                                                                   \
-    if (QUARTERS && M >= PANEL_ROWS) panels_##T(x, M, K, w, N, out, &n0);                                             \
+    if (QUARTERS && M >= PANEL_ROWS) n0 = panels_##T(x, M, K, w, N, out);                                             \
     for (; QUARTERS && M >= 4 && n0 + 8 * LANES <= N; n0 += 8 * LANES)                                                \
         for (int64_t q = 0; q < 8 * LANES; q += 2 * LANES)                                                            \
             for (int64_t r0 = 0; r0 < M; r0 += 4)                                                                     \
