@@ -152,9 +152,10 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             _compile(_Frozen(modules, fn), args, [{0: dim} if dim is not None else None for _ in args], path)
-    with warnings.catch_warnings(), _unpacked_apart():
-        warnings.simplefilter("ignore", FutureWarning)
-        loader = torch._inductor.aoti_load_package(str(path)).loader
+    with _unpacked_apart():
+        # the loader torch._inductor.aoti_load_package makes, made here: importing torch._inductor imports its
+        # compiler (torch._dynamo, sympy), 1.5 s of every start-up that finds its kernels already compiled
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     return Kernel(name, loader)
 
 

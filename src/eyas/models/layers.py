@@ -120,10 +120,17 @@ class Rotary(nn.Module):
 
     def __init__(self, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq, attention_factor = rope.inv_freq_and_attention_factor()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)  # [max_pos, rope_dim // 2]
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        if torch.get_default_device().type == "meta":
+            # a loader's skeleton, whose tables the loader builds on the weights' device: shapes only (computed on
+            # meta they run torch's Python meta kernels, whose first call imports its compiler, 1.4 s of start-up)
+            empty = torch.empty(max_positions, rope.head_dim // 2)
+            self.register_buffer("cos", empty, persistent=False)
+            self.register_buffer("sin", empty, persistent=False)
+        else:
+            inv_freq, attention_factor = rope.inv_freq_and_attention_factor()
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)  # [max_pos, rope_dim // 2]
+            self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
         self.interleave = rope.interleave
         self.max_positions = max_positions
 
