@@ -137,7 +137,6 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
     if not least <= args[0].shape[0] <= most or (least < most and args[0].shape[0] < 2):
         raise ValueError(f"compiling {name}: example args of {args[0].shape[0]} rows for kernels of {rows} rows "
                          "(a dynamic kernel is traced at 2 rows or more)")
-    dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
     # the compiler writes the thread count torch runs on into the code (at one thread, no parallel region at all): a
     # kernel compiled for one thread would run on one whatever --threads a later engine is given
     key = json.dumps({
@@ -151,6 +150,8 @@ def compile_kernel(name: str, modules: Sequence[nn.Module], fn: Callable, args: 
         with warnings.catch_warnings():  # torch's notices about its own internals, nothing the user can act on
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            # (torch.export.Dim imports sympy, a third of a second of a start-up that only loads)
+            dim = torch.export.Dim("rows", min=least, max=most) if least < most else None
             _compile(_Frozen(modules, fn), args, [{0: dim} if dim is not None else None for _ in args], path)
     with _unpacked_apart():
         # the loader torch._inductor.aoti_load_package makes, made here: importing torch._inductor imports its
