@@ -203,8 +203,7 @@ def _split_at_lanes(short: list[int], seq_lens: list[int], geometry: tuple) -> l
 def _group(members: list[int], query_lens: list[int], seq_lens: list[int], kv_starts: list[int],
            table: np.ndarray | None, starts: list[int], geometry: tuple, device) -> AttentionGroup:
     """`table` [sequences, blocks]: each sequence's used blocks (padded; None for a sequence alone in one run).
-    Built with numpy, whose calls on arrays this small cost a tenth of torch's: with torch this took 0.5 ms at
-    batch 4, up to four times a speculative step (the target's verify and each draft step build their own)."""
+    In numpy, as `AttentionMetadata.build`."""
     block_size, num_lanes, lane_blocks, runs = geometry
     if len(members) == 1:  # one sequence, nothing to pad: the same fields in a third of the ops
         return _one_sequence_group(members[0], query_lens, seq_lens, kv_starts, table, starts, geometry, device)

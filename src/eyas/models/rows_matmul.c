@@ -252,11 +252,12 @@ DEFINE_STREAMED(bf16, uint16_t, load_bf16)
 
 /* x [M, K], w [K, N] and out [M, N], row-major and contiguous. Returns 0. With AVX2 from PANEL_ROWS rows, the panels
    above; below STREAM_ROWS, w read in order (above); both over whole blocks of 8 * LANES columns, the last columns
-   running as below for every row count. Otherwise each block of 8 * LANES columns is read from memory once, by the first FIRST_ROWS rows, as one
-   row reads it (8 * LANES floats of each of the K rows of w: runs long enough for the hardware to fetch ahead; blocks
-   of 2 or 4 registers per row read them too short to, and 4 rows took 1.9 times one row's time on an evicted
-   8192 x 192 head). The other rows then take the block (with AVX-512 96 KB at K = 192) from the caches, 8 rows at a
-   time over V8 registers of its columns (a quarter of them, 24 KB, in L1), each weight register used by 8 rows. */
+   running as below for every row count. Otherwise each block of 8 * LANES columns is read from memory once, by the
+   first FIRST_ROWS rows, as one row reads it (8 * LANES floats of each of the K rows of w: runs long enough for the
+   hardware to fetch ahead; blocks of 2 or 4 registers per row read them too short to, and 4 rows took 1.9 times one
+   row's time on an evicted 8192 x 192 head). The other rows then take the block (with AVX-512 96 KB at K = 192) from
+   the caches, 8 rows at a time over V8 registers of its columns (a quarter of them, 24 KB, in L1), each weight register
+   used by 8 rows. */
 #define DEFINE_ROWS_MATMUL(T, W, SCALAR)                                                                              \
 int rows_matmul_##T(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *out) {                        \
     int64_t n0 = 0;                                                                                                   \
