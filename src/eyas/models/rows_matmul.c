@@ -96,14 +96,14 @@ static inline float scalar_bf16(const uint16_t *p) {
             for (int v = 0; v < V; v++) store(out + r * N + n0 + v * LANES, acc[r][v]);                  \
     }
 
-/* With 16 registers (AVX2), four rows or more (over w in place below PANEL_ROWS rows; else a panel's last rows,
-   below): a block of 8 * LANES columns as four quarters of 2 registers, 4 rows at a time over one quarter (8
-   accumulators, w's 2 registers used by 4 rows). The first rows' pass over the first quarter fetches the block's
-   whole runs of w (8 * LANES of each row of w) 8 rows of w ahead: the block then comes from memory as one row reads
-   it, and the other quarters and rows read it from the caches. On the bundled target's lm_head on an AVX2 EPYC
-   (`benchmarks/rows_matmul.py --cold`): 4 rows 0.62-0.68 ms against 0.80 through the blocks below, 8 rows 0.76-0.93
-   against 1.32, 16 rows 1.32-1.36 against 1.89, 32 rows 2.50 against 2.83; from 16 rows up CPU BLAS is faster still
-   (1.26-1.51 ms at 16, 5.2-5.7 at 128 rows against 9.4-9.7). */
+/* With 16 registers (AVX2), four rows or more (over w in place at the row counts neither the panels nor the in-order
+   path take, and where the panels cannot be allocated; else a panel's last rows, below): a block of 8 * LANES columns
+   as four quarters of 2 registers, 4 rows at a time over one quarter (8 accumulators, w's 2 registers used by 4 rows).
+   The first rows' pass over the first quarter fetches the block's whole runs of w (8 * LANES of each row of w) 8 rows
+   of w ahead: the block then comes from memory as one row reads it, and the other quarters and rows read it from the
+   caches. On the bundled target's lm_head on an AVX2 EPYC (`benchmarks/rows_matmul.py --cold`): 4 rows 0.62-0.68 ms
+   against 0.80 through the blocks below, 8 rows 0.76-0.93 against 1.32, 16 rows 1.32-1.36 against 1.89, 32 rows 2.50
+   against 2.83; from 16 rows up CPU BLAS is faster still (1.26-1.51 ms at 16, 5.2-5.7 at 128 rows against 9.4-9.7). */
 #define DEFINE_QUARTER(T, W, LOAD)                                                                       \
     __attribute__((unused)) static void quarter_##T(const float *x, int64_t K, const W *w, int64_t ldw,  \
                                                     int64_t N, int64_t m, int64_t n0, float *out,        \
