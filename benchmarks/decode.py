@@ -35,8 +35,8 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, li
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
     return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
 
 
@@ -58,6 +58,10 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), compiled_step=not args.enforce_eager,
               dtype="float32", threads=args.threads)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    # as eyas's ignore_eos: the end-of-sequence token is generated like any other and does not stop the sequence
+    # (min_new_tokens instead masks it out until the length is reached, and stopping at it pads the rest: either
+    # way transformers' tokens left eyas's wherever the greedy choice was that token, 4 of 8 prompts here)
+    hf.generation_config.eos_token_id = None
     vocab = llm.model.config.vocab_size
     print(f"model {args.model.name}, threads {args.threads}, prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, float32, torch {torch.__version__}, eyas "
