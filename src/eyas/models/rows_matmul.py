@@ -6,9 +6,8 @@ On the bundled target's lm_head (8192 x 192), one thread: 4 rows took 0.40 ms th
 here, 1 row 0.10 against 0.09, 32 rows 1.5 against 1.3 (AVX-512); on an AVX2 EPYC 16 rows 0.84 against 0.78 and 32
 rows 1.40 against 1.41, and with the head evicted before each call, as a step leaves it, 2 / 4 / 8 rows 0.39 / 1.11
 / 1.01 ms against 0.31 / 0.42 / 0.68 (`python benchmarks/rows_matmul.py [--cold]` measures them on the machine at
-hand). Each row's logits
-are computed the same way whatever rows run beside it. Built by eyas.models.c_kernels; where it cannot be, F.linear
-runs instead, after a warning.
+hand). Each row's logits are computed the same way whatever rows run beside it. Built by eyas.models.c_kernels;
+where it cannot be, F.linear runs instead, after a warning.
 """
 
 from __future__ import annotations
