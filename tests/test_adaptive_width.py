@@ -392,7 +392,7 @@ def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths()
         for _ in range(10):
             policy.observe_context(8, 108, 0.008)  # a prompt step: more rows than 8 sequences decode at width 1
             policy.observe_context(8, 13, 0.002)
-            policy.count_rows(prompt_rows, 100)
+            policy.count_step(8, 1, prompt_rows, 100, 0.0)
         assert list(policy.context_long) == [(108, 0.008)] * 10 and len(policy.context_short) == 10
         per_row = 0.006 / 95  # the slope between the two kinds of step, not 8 ms / 108 rows
         assert policy.context_seconds_per_row() == pytest.approx(per_row)
@@ -400,6 +400,45 @@ def test_the_drafts_work_on_prompt_positions_is_charged_to_the_drafting_widths()
         assert policy.step_times(8)[0] == pytest.approx(0.010)  # width 0 leaves prompts to the draft: no charge
         run(policy, 5, batch=8, times=times, accepted=accepted)
         assert policy.buckets[8].width == expected, prompt_rows
+
+
+def test_what_prompt_steps_cost_more_while_drafting_is_charged_to_the_drafting_widths():
+    """A server of 4 requests whose finished requests are replaced: while it decodes plainly they finish together and
+    a step with prompt rows comes every 16 steps; while it drafts they finish apart and one comes every 4 (each 30
+    ms beyond a decode step). Width 1 is 21% ahead of width 0 on its decode steps and is taken; once the bucket ran
+    PROMPT_KNOWN steps drafting, its prompt steps' 1.2 ms a token against 0.5 at width 0 is charged to it, it falls
+    behind and width 0 is kept (probes only). Where prompts come as often either way, width 1 is kept."""
+    accepted = [1, 1, 1, 0]  # q_1 = 0.75: 1.75 tokens in 14.5 ms against 1 in 10
+
+    def serve(policy, steps, drafting_every, times):
+        widths, since = [], 0
+        for _ in range(steps):
+            bucket = policy.buckets.get(4)
+            since += 1
+            prompt = since >= (drafting_every if bucket is not None and bucket.width > 0 else 16)
+            since = 0 if prompt else since
+            w = policy.width(4, catching_up=prompt)
+            widths.append(w)
+            committed = sum(1 + min(a, w) for a in accepted[:3 if prompt else 4])
+            policy.count_step(4, w, 100 if prompt else 0, committed, times[w] + (0.030 if prompt else 0.0))
+            if not prompt:
+                policy.observe(4, w, times[w], [(w, min(a, w)) for a in accepted])
+        return widths
+
+    for drafting_every, expected in ((4, 0), (16, 1)):
+        policy = AdaptiveWidth(max_width=1, probe_every=16)
+        serve(policy, 300, drafting_every, {0: 0.010, 1: 0.030})  # width 1 slow: held width 0
+        assert policy.buckets[4].width == 0 and policy.prompt_seconds_per_token(4) is None  # never drafted
+        widths = serve(policy, 600, drafting_every, {0: 0.010, 1: 0.0145})
+        assert 1 in widths[:200]
+        at_zero, drafting = policy.prompt_seconds_per_token(4)
+        # a prompt step in 16: 63 tokens (some more, from the probes at width 1)
+        assert 0.030 / (15 * 4 + 3) * 0.9 < at_zero <= 0.030 / (15 * 4 + 3)
+        assert drafting == pytest.approx(0.030 / ((4 * 3 + 3) * 1.75) * 4 / drafting_every, rel=0.1)
+        assert policy.buckets[4].width == expected
+        if expected == 0:
+            assert widths[-200:].count(1) <= 3 * 2  # probes only
+            assert policy.step_times(4)[1] == pytest.approx(0.0145 + 4 * 1.75 * (drafting - at_zero))
 
 
 def test_probes_away_from_width_0_back_off_unless_halfway_to_taking_the_bucket():

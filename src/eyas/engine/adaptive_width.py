@@ -76,11 +76,21 @@ sums over the last ~CONTEXT_MEMORY steps of every bucket: it is the traffic's, n
 such a step commits, times the draft's seconds per context row (the slope of the context work's time against its
 rows, between recent steps with prompt rows and recent steps without).
 
-What drafting costs beyond the decode steps is not all in that charge, and a width that drafts must beat width 0 by
-`leave_zero_margin` (10%), not `margin`, to be taken: requests that accept differently finish apart, so the prompts
-that replace them come one or two at a time, each in a step of its own with the eager forward, whose cost barely
-shrinks with its rows, where requests of one length decoded plainly finish together and are replaced in one step;
-and every move away from width 0 runs the draft over each sequence's pause. At 16 sequences of held-out prompts on
+Nor is that work all drafting costs in the steps with prompt rows: requests that accept differently finish apart,
+so the prompts that replace them come one or two at a time, each in a step of its own with the eager forward, whose
+cost barely shrinks with its rows, where requests of one length decoded plainly finish together and are replaced in
+one step (4 sequences on the bundled models, 64 tokens each: at width 1, 52 steps with prompt rows took 3.96 s of a
+phase of 14.8, against 32 taking 2.89 s of plain decoding's 14.2; the decode steps 10.8 s against 11.1). So each
+bucket also sums, while it holds width 0 and while it holds a drafting width (over ~CONTEXT_MEMORY of its own steps
+each), the seconds its steps with prompt rows took beyond a decode step of their width, and the tokens it committed;
+once it has run PROMPT_KNOWN steps under each, a drafting width is charged the larger of the draft's work above and
+how much more those seconds per token came to while it drafted. The bucket then holds width 0 on that evidence for
+as long as the traffic stays: a sum changes only while its width is held.
+
+What drafting costs beyond the decode steps is still not all in those charges, and a width that drafts must beat
+width 0 by `leave_zero_margin` (10%), not `margin`, to be taken: before a bucket has drafted for PROMPT_KNOWN
+steps its prompt steps' cost is unknown, and every move away from width 0 runs the draft over each sequence's
+pause. At 16 sequences of held-out prompts on
 the bundled models, 48 requests of 96 tokens in process, fixed width 1 ran 22 steps with prompt rows against 11 at
 width 0 (1.78 s against 1.07 of runs of 5-6 s), its decode steps within 7% of width 0's per token and, by the step
 times and rates above, within 4% or ahead: with the 2% margin the policy left width 0 on a noisy rate or probe,
@@ -108,6 +118,9 @@ BACKOFF_LOSS = 0.1  # a probed width this far behind the current one (tokens per
 MAX_BACKOFF = 8  # probes at most this many times rarer than probe_every
 CONTEXT_MEMORY = 256  # steps over which prompt rows per committed token are counted (decayed sums)
 CONTEXT_SAMPLES = 32  # recent timings of the draft's context work kept, with and without prompt rows each
+# the steps (their decayed weight) a bucket must have run holding width 0, and holding a drafting width, before what
+# the steps with prompt rows cost under each is compared (module docstring)
+PROMPT_KNOWN = 64
 # the first steps of a run of a width, whose times are not taken: the one that verifies the drafts proposed before
 # it, and the first that verifies its own, whose caches still hold what the width before read (the draft's weights,
 # the experts of more or fewer verify rows). At one sequence on the bundled models the first step at width 0 after
@@ -184,6 +197,11 @@ class _Bucket:
     level: float = 1.0
     anchor: float | None = None
     latest: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL_STEPS))  # the width's latest times
+    # while it held width 0 ([0]) and a drafting width ([1]), decayed sums over its own steps of each: the seconds
+    # its steps with prompt rows took beyond a decode step of their width, the tokens its steps committed, its steps
+    prompt_excess: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    held_tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    held_steps: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
 
 def _tokens_per_step(bucket: _Bucket, doubt: float = 0.0) -> list[float]:
@@ -346,7 +364,7 @@ class AdaptiveWidth:
         doubt = DOUBT if bucket.width == 0 else 0.0  # the rates as the choice reads them (observe)
         scores, tokens = self._scores(batch_size, bucket, doubt), _tokens_per_step(bucket, doubt)
         samples = bucket.samples[width]
-        context = self._context_seconds_per_token(batch_size) * tokens[width] if width else 0.0
+        context = self._outside_seconds_per_token(batch_size) * tokens[width] if width else 0.0
         latest = tokens[width] / max(samples[-1] * bucket.level + context, 1e-9) if samples else None
         current = scores[bucket.width]
         # a probe away from width 0 first runs the draft over every position of the pause, of every sequence: it is
@@ -369,11 +387,33 @@ class AdaptiveWidth:
         (self.context_long if rows > decode_rows else self.context_short).append((rows, seconds))
         self.per_row = None
 
-    def count_rows(self, prompt_rows: int, committed: int) -> None:
-        """A step scheduled `prompt_rows` prompt positions and committed `committed` tokens of decoding sequences."""
+    def count_step(self, batch_size: int, width: int, prompt_rows: int, committed: int, seconds: float) -> None:
+        """A step of `batch_size` sequences at `width` scheduled `prompt_rows` prompt positions, committed
+        `committed` tokens of decoding sequences and took `seconds`."""
         keep = 1 - 1 / CONTEXT_MEMORY
         self.prompt_rows = self.prompt_rows * keep + prompt_rows
         self.committed = self.committed * keep + committed
+        bucket = self.buckets.get(bucket_of(batch_size))
+        if bucket is None or not self._settled(bucket):
+            return
+        excess = 0.0
+        if prompt_rows:  # beyond what its rows would have cost as a decode step of the bucket at that width
+            decode = self._relative_times(bucket)[width]
+            if decode is None:
+                return
+            excess = max(0.0, seconds - decode * bucket.level * batch_size / bucket_of(batch_size))
+        held = int(bucket.width > 0)
+        bucket.prompt_excess[held] = bucket.prompt_excess[held] * keep + excess
+        bucket.held_tokens[held] = bucket.held_tokens[held] * keep + committed
+        bucket.held_steps[held] = bucket.held_steps[held] * keep + 1
+
+    def prompt_seconds_per_token(self, batch_size: int) -> tuple[float, float] | None:
+        """Seconds the steps with prompt rows took beyond decode steps, per token committed, while the bucket held
+        width 0 and while it drafted; None until it ran PROMPT_KNOWN steps under each."""
+        bucket = self.buckets.get(bucket_of(batch_size))
+        if bucket is None or min(bucket.held_steps) < PROMPT_KNOWN or min(bucket.held_tokens) <= 0:
+            return None
+        return bucket.prompt_excess[0] / bucket.held_tokens[0], bucket.prompt_excess[1] / bucket.held_tokens[1]
 
     def context_seconds_per_row(self) -> float:
         """The draft's seconds per context row: the slope between the medians of recent steps with prompt rows and
@@ -393,11 +433,17 @@ class AdaptiveWidth:
         seconds_short = statistics.median(t for _, t in self.context_short)
         return max(0.0, min(seconds_long / rows_long, (seconds_long - seconds_short) / (rows_long - rows_short)))
 
-    def _context_seconds_per_token(self, batch_size: int) -> float:
-        """The draft's work on prompt positions per token a step of the bucket commits, scaled as its time."""
-        if self.committed <= 0:
-            return 0.0
-        return bucket_of(batch_size) * self.prompt_rows / self.committed * self.context_seconds_per_row()
+    def _outside_seconds_per_token(self, batch_size: int) -> float:
+        """What drafting costs outside the decode steps, per token a step of the bucket commits, scaled as its time:
+        the draft's work on prompt positions, or, where the bucket ran long enough at width 0 and drafting, the
+        more its steps with prompt rows took per token while it drafted, if that is more (module docstring)."""
+        context = 0.0
+        if self.committed > 0:
+            context = self.prompt_rows / self.committed * self.context_seconds_per_row()
+        measured = self.prompt_seconds_per_token(batch_size)
+        if measured is not None:
+            context = max(context, measured[1] - measured[0])
+        return bucket_of(batch_size) * context
 
     def step_times(self, batch_size: int) -> list[float | None]:
         """The seconds per step the choice is made on, at each width (None before any width is timed), the draft's
@@ -406,7 +452,7 @@ class AdaptiveWidth:
         return self._step_times(batch_size, bucket, _tokens_per_step(bucket))
 
     def _step_times(self, batch_size: int, bucket: _Bucket, tokens: list[float]) -> list[float | None]:
-        per_token = self._context_seconds_per_token(batch_size)
+        per_token = self._outside_seconds_per_token(batch_size)
         return [m if m is None else m * bucket.level + (per_token * tokens[w] if w else 0.0)
                 for w, m in enumerate(self._relative_times(bucket))]
 

@@ -123,8 +123,8 @@ class Proposer:
         if proposal.context is not None:
             self.adaptive.observe_context(batch.num_running, *proposal.context)
         decoding = [(n, a) for n, v, a in zip(batch.num_new_tokens, num_verified, num_accepted) if n == 1 + v]
-        self.adaptive.count_rows(sum(batch.num_new_tokens) - sum(n for n, _ in decoding),
-                                 sum(1 + a for _, a in decoding))
+        self.adaptive.count_step(batch.num_running, width, sum(batch.num_new_tokens) - sum(n for n, _ in decoding),
+                                 sum(1 + a for _, a in decoding), seconds)
         if proposal.caught_up:
             return
         if set(num_verified) != {width} or any(n != 1 + d for n, d in zip(batch.num_new_tokens, num_verified)):
