@@ -62,7 +62,8 @@ def count_widths(llm: LLM) -> Counter:
 
     def counted(batch):
         width = choose(batch)
-        if not batch.prefill_next and all(n <= 1 + width for n in batch.num_new_tokens):
+        # a step with no prompt positions (with requests waiting for a place, `prefill_next` holds on every step)
+        if all(seq.num_computed >= len(seq) - 1 for seq in batch.seqs):
             widths[width] += 1
         return width
 
