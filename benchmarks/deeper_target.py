@@ -9,7 +9,7 @@ synthetic acceptance, where the draft's proposals do not matter:
 
 Layer i of the copy is the bundled layer i for the dense layers (first_k_dense_replace), then the MoE layers in turn;
 the multi-token-prediction layer, stored after the decoder layers, moves to the new end. The first run compiles a
-kernel for every layer (about 40 s a layer on 2 cores) and keeps them on disk like any other target's.
+kernel for every layer (about 30 s a layer on 2 cores) and keeps them on disk like any other target's.
 """
 
 from __future__ import annotations

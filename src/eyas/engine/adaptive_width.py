@@ -90,17 +90,17 @@ as long as the traffic stays: a sum changes only while its width is held.
 What drafting costs beyond the decode steps is still not all in those charges, and a width that drafts must beat
 width 0 by `leave_zero_margin` (10%), not `margin`, to be taken: before a bucket has drafted for PROMPT_KNOWN
 steps its prompt steps' cost is unknown, and every move away from width 0 runs the draft over each sequence's
-pause. At 16 sequences of held-out prompts on
-the bundled models, 48 requests of 96 tokens in process, fixed width 1 ran 22 steps with prompt rows against 11 at
-width 0 (1.78 s against 1.07 of runs of 5-6 s), its decode steps within 7% of width 0's per token and, by the step
-times and rates above, within 4% or ahead: with the 2% margin the policy left width 0 on a noisy rate or probe,
-drafted stretches of 50-150 steps and ran 0.87x fixed width 0 (`python benchmarks/width_policy.py --concurrency
-16`); with 10% it stayed at width 0 (see docs/figures.md for the widths at each concurrency). And from width 0 the
-acceptance rates rest on the probes' few trials (at one sequence, two a probe, faded as the calls pass), so there
-each q_k is taken at the lower end of its Wilson score interval of DOUBT standard errors (the trials counted by the
-weight they still carry): at one sequence, after 1,400 calls at width 0 had faded every older trial, a probe's first
-accepted draft read q_1 = 1.0 and took the width to 1 (a Wilson bound reads it 0.5); at 4 sequences a probe that
-accepted 0.82 of its drafts, against 0.6 over the run, took the width to 2.
+pause. At 16 sequences of held-out prompts on the bundled models, 48 requests of 96 tokens in process, fixed width
+1 ran 22 steps with prompt rows against 11 at width 0 (1.78 s against 1.07 of runs of 5-6 s), its decode steps
+within 7% of width 0's per token and, by the step times and rates above, within 4% or ahead: with the 2% margin
+the policy left width 0 on a noisy rate or probe, drafted stretches of 50-150 steps and ran 0.87x fixed width 0
+(`python benchmarks/width_policy.py --concurrency 16`); with 10% it stayed at width 0 (see docs/figures.md for the
+widths at each concurrency). And from width 0 the acceptance rates rest on the probes' few trials (at one
+sequence, two a probe, faded as the calls pass), so there each q_k is taken at the lower end of its Wilson score
+interval of DOUBT standard errors (the trials counted by the weight they still carry): at one sequence, after
+1,400 calls at width 0 had faded every older trial, a probe's first accepted draft read q_1 = 1.0 and took the
+width to 1 (a Wilson bound reads it 0.5); at 4 sequences a probe that accepted 0.82 of its drafts, against 0.6
+over the run, took the width to 2.
 
 Worked example, max width 3, one bucket: times 10 ms (w=0), 14 (1), 17 (2), 21 (3); q = 0.8, 0.6, 0.4. Tokens
 per second per sequence: 1/10 = 0.100, 1.8/14 = 0.129, 2.4/17 = 0.141, 2.8/21 = 0.133; the width is 2, probed
