@@ -20,10 +20,10 @@ import re
 import shutil
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eyas.paths import DEFAULT_MODEL
+from eyas.weights import read_safetensors
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -41,13 +41,12 @@ def deepen(source: Path, out: Path, layers: int) -> None:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"{out} is not empty; pass a new directory")
     tensors, by_layer = {}, {}
-    with safe_open(source / "model.safetensors", "pt") as f:
-        for key in f.keys():
-            match = LAYER_KEY.match(key)
-            if match is None:
-                tensors[key] = f.get_tensor(key)
-            else:
-                by_layer.setdefault(int(match[1]), {})[match[2]] = f.get_tensor(key)
+    for key, tensor in read_safetensors(source).items():
+        match = LAYER_KEY.match(key)
+        if match is None:
+            tensors[key] = tensor
+        else:
+            by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
     for i in range(layers):
         for name, tensor in by_layer[source_layer(i, num_layers, dense)].items():
             tensors[f"model.layers.{i}.{name}"] = tensor.clone()
